@@ -1,0 +1,62 @@
+// depthkit eval: validation loss and perplexity of a run's checkpoint.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/data/loader.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/train/evaluate.h"
+#include "depthkit/train/trainer.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit::cli {
+
+namespace {
+struct EvalArgs {
+  std::string run_dir, data, checkpoint;
+  int64_t tokens = 0;
+  bool json = false;
+};
+
+int run_eval(const EvalArgs& a) {
+  Config cfg = load_run_config(a.run_dir, {});
+  auto dir = find_checkpoint(a.run_dir, a.checkpoint);
+  if (!dir) fail(a.run_dir, ": run has no checkpoint");
+  Checkpoint ck = load_checkpoint(*dir, false);
+  Config ck_cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
+  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0);
+  model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
+  const std::string data_dir = a.data.empty() ? ck_cfg.data.dir : a.data;
+  TokenDataset val(data_dir, "val", ck_cfg.model.vocab_size);
+  const int64_t tokens = a.tokens > 0 ? a.tokens : ck_cfg.train.eval_tokens;
+  auto batches = eval_batches(val, ck_cfg.train.micro_batch, ck_cfg.model.seq_len, tokens);
+  int64_t n = 0;
+  for (auto& b : batches) n += b.size(0) * (b.size(1) - 1);
+  const double loss = evaluate(model, batches);
+  nlohmann::json j = {{"checkpoint", dir->string()}, {"step", ck.state.step}, {"data", data_dir},
+                      {"tokens", n}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}};
+  if (a.json) std::printf("%s\n", j.dump().c_str());
+  else
+    std::printf("%s (step %lld): validation loss %.4f, perplexity %.2f over %lld tokens of %s\n",
+                dir->c_str(), (long long)ck.state.step, loss, std::exp(loss), (long long)n, data_dir.c_str());
+  return 0;
+}
+}  // namespace
+
+void add_eval(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("eval", "evaluate a checkpoint on held-out tokens");
+  auto a = std::make_shared<EvalArgs>();
+  cmd->add_option("--run-dir", a->run_dir, "run directory")->required();
+  cmd->add_option("--data", a->data, "data directory (default: the run's data.dir)");
+  cmd->add_option("--checkpoint", a->checkpoint, "checkpoint name, e.g. step_00000100 (default: latest)");
+  cmd->add_option("--tokens", a->tokens, "validation tokens (default: train.eval_tokens)");
+  cmd->add_flag("--json", a->json, "print JSON");
+  cmd->callback([&action, a] { action = [a] { return run_eval(*a); }; });
+}
+
+}  // namespace depthkit::cli

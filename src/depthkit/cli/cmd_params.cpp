@@ -1,0 +1,42 @@
+// depthkit params: parameter counts by component (built on the meta device: nothing allocated).
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/model/transformer.h"
+
+namespace depthkit::cli {
+
+void add_params(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("params", "count parameters by component");
+  struct Args {
+    std::string config;
+    std::vector<std::string> sets;
+    bool json = false;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--config", a->config, "TOML config")->required();
+  add_set_option(cmd, a->sets);
+  cmd->add_flag("--json", a->json, "print JSON");
+  cmd->callback([&action, a] {
+    action = [a] {
+      Config cfg = Config::load(a->config, a->sets);
+      Transformer model(cfg.model, cfg.residual, at::kMeta, 0);
+      ParameterCounts c = model.count();
+      if (a->json) {
+        nlohmann::json j = {{"total", c.total}, {"non_vocab", c.non_vocab}, {"residual", c.residual},
+                            {"kind", cfg.residual.kind}};
+        for (auto& [name, n] : c.by_component) j["components"][name] = n;
+        std::printf("%s\n", j.dump().c_str());
+      } else {
+        std::printf("%-14s %16s\n", "component", "parameters");
+        for (auto& [name, n] : c.by_component) std::printf("%-14s %16lld\n", name.c_str(), (long long)n);
+        std::printf("%-14s %16lld\n%-14s %16lld\n", "non_vocab", (long long)c.non_vocab, "total",
+                    (long long)c.total);
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace depthkit::cli

@@ -1,0 +1,72 @@
+// depthkit train: train a model from a TOML config (or resume a run).
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/train/trainer.h"
+#include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
+
+namespace depthkit::cli {
+
+namespace {
+
+struct TrainArgs {
+  std::string config, run_dir;
+  std::vector<std::string> sets;
+  bool resume = false, json = false;
+};
+
+int run_train(const TrainArgs& a) {
+  TrainOptions opt;
+  opt.resume = a.resume;
+  if (a.resume) {
+    if (a.run_dir.empty()) fail("train --resume needs --run-dir");
+    if (!a.config.empty()) fail("train --resume uses the run's own config.toml; drop --config (use --set to change keys)");
+    opt.run_dir = a.run_dir;
+    opt.config = load_run_config(opt.run_dir, a.sets);
+  } else {
+    if (a.config.empty()) fail("train needs --config (or --resume --run-dir D)");
+    opt.config = Config::load(a.config, a.sets);
+    opt.run_dir = a.run_dir.empty() ? fs::path("runs") / fs::path(a.config).stem() : fs::path(a.run_dir);
+  }
+  install_stop_signals();
+  std::fprintf(stderr, "run directory: %s\n", opt.run_dir.c_str());
+  TrainResult r = train(opt);
+  if (r.interrupted) return 130;
+  nlohmann::json j = {{"run_dir", opt.run_dir.string()}, {"step", r.step}, {"train_loss", r.last_loss},
+                      {"val_loss", r.val_loss}, {"val_ppl", std::exp(r.val_loss)}};
+  const fs::path meta = fs::path(opt.config.data.dir) / "meta.json";
+  if (fs::exists(meta)) {
+    auto m = nlohmann::json::parse(read_file(meta), nullptr, false);
+    if (!m.is_discarded() && m.contains("unigram_entropy_nats"))
+      j["unigram_entropy_nats"] = m["unigram_entropy_nats"];
+  }
+  if (a.json) {
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("step %lld: train loss %.4f, validation loss %.4f nats/token (perplexity %.2f)",
+                (long long)r.step, r.last_loss, r.val_loss, std::exp(r.val_loss));
+    if (j.contains("unigram_entropy_nats"))
+      std::printf("; unigram entropy of the corpus %.4f nats/token", j["unigram_entropy_nats"].get<double>());
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_train(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("train", "train a model");
+  auto a = std::make_shared<TrainArgs>();
+  cmd->add_option("--config", a->config, "TOML config");
+  add_set_option(cmd, a->sets);
+  cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<config name>)");
+  cmd->add_flag("--resume", a->resume, "continue from the run's latest checkpoint");
+  cmd->add_flag("--json", a->json, "print the final summary as JSON");
+  cmd->callback([&action, a] { action = [a] { return run_train(*a); }; });
+}
+
+}  // namespace depthkit::cli

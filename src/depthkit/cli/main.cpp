@@ -1,0 +1,31 @@
+// depthkit: train, compare and measure residual pathways that retrieve across depth.
+#include <cstdio>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/util/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"depthkit: Transformer residual pathways that retrieve across depth"};
+  app.require_subcommand(1);
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return std::string("depthkit: error: ") + e.what() + " (see --help)\n";
+  });
+  depthkit::cli::Action action;
+  depthkit::cli::add_data(app, action);
+  depthkit::cli::add_train(app, action);
+  depthkit::cli::add_eval(app, action);
+  depthkit::cli::add_params(app, action);
+  depthkit::cli::add_bench(app, action);
+  depthkit::cli::add_info(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return action ? action() : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "depthkit: error: %s\n", depthkit::one_line(e).c_str());
+    return 1;
+  }
+}

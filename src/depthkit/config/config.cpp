@@ -1,0 +1,233 @@
+#include "depthkit/config/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+#include <variant>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+namespace {
+
+// One declared key: where it lives, the field it fills and what values it accepts.
+struct Field {
+  std::string section, key;
+  std::variant<int64_t*, double*, bool*, std::string*> target;
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  std::vector<std::string> choices = {};  // for strings; empty: any
+  std::string path() const { return section + "." + key; }
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::vector<Field> fields(Config& c) {
+  auto& m = c.model;
+  auto& r = c.residual;
+  auto& t = c.train;
+  auto& o = c.optim;
+  return {
+      {"model", "n_layers", &m.n_layers, 1, 4096},
+      {"model", "d_model", &m.d_model, 1, 1 << 20},
+      {"model", "n_heads", &m.n_heads, 1, 4096},
+      {"model", "n_kv_heads", &m.n_kv_heads, 1, 4096},
+      {"model", "head_dim", &m.head_dim, 0, 4096},
+      {"model", "d_ff", &m.d_ff, 1, 1 << 22},
+      {"model", "vocab_size", &m.vocab_size, 2, 1 << 30},
+      {"model", "seq_len", &m.seq_len, 1, 1 << 24},
+      {"model", "tie_embeddings", &m.tie_embeddings},
+      {"model", "rope_theta", &m.rope_theta, 1, kInf},
+      {"model", "norm_eps", &m.norm_eps, 0, 1},
+      {"model", "init_std", &m.init_std, 0, 10},
+      {"residual", "kind", &r.kind, -kInf, kInf, {"residual"}},
+      {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
+      {"data", "dir", &c.data.dir},
+      {"train", "micro_batch", &t.micro_batch, 1, 1 << 20},
+      {"train", "grad_accum", &t.grad_accum, 1, 1 << 20},
+      {"train", "steps", &t.steps, 0, kInf},
+      {"train", "tokens", &t.tokens, 0, kInf},
+      {"train", "seed", &t.seed, 0, kInf},
+      {"train", "eval_every", &t.eval_every, 0, kInf},
+      {"train", "eval_tokens", &t.eval_tokens, 1, kInf},
+      {"train", "checkpoint_every", &t.checkpoint_every, 0, kInf},
+      {"train", "keep_checkpoints", &t.keep_checkpoints, 1, 1 << 20},
+      {"train", "log_every", &t.log_every, 1, kInf},
+      {"train", "threads", &t.threads, 0, 4096},
+      {"train", "device", &t.device, -kInf, kInf, {"cpu"}},
+      {"optim", "lr", &o.lr, 0, 10},
+      {"optim", "min_lr", &o.min_lr, 0, 10},
+      {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},
+      {"optim", "schedule", &o.schedule, -kInf, kInf, {"cosine", "wsd"}},
+      {"optim", "decay_fraction", &o.decay_fraction, 0, 1},
+      {"optim", "weight_decay", &o.weight_decay, 0, 10},
+      {"optim", "beta1", &o.beta1, 0, 0.999999},
+      {"optim", "beta2", &o.beta2, 0, 0.999999999},
+      {"optim", "eps", &o.eps, 0, 1},
+      {"optim", "grad_clip", &o.grad_clip, 0, kInf},
+  };
+}
+
+std::string describe(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "string \"" + std::string(*n.value<std::string>()) + "\"";
+    case toml::node_type::integer: return "integer " + std::to_string(*n.value<int64_t>());
+    case toml::node_type::floating_point: return cat("float ", *n.value<double>());
+    case toml::node_type::boolean: return *n.value<bool>() ? "true" : "false";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::array: return "an array";
+    default: return "a date/time";
+  }
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + ("\"" + v[i] + "\"");
+  return s;
+}
+
+// Reads one node into its field, checking type and range. `where` names the source.
+void assign(const Field& f, const toml::node& n, const std::string& where) {
+  auto bad = [&](const std::string& want) {
+    fail(where, ": key '", f.path(), "' must be ", want, ", got ", describe(n));
+  };
+  auto check_range = [&](double v) {
+    if (!(v >= f.min && v <= f.max)) {
+      std::string range = std::isinf(f.max) ? cat(">= ", f.min) : cat("in [", f.min, ", ", f.max, "]");
+      fail(where, ": key '", f.path(), "' must be ", range, ", got ", v);
+    }
+  };
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>) {
+          auto v = n.value_exact<int64_t>();
+          if (!v) bad("an integer");
+          check_range(double(*v));
+          *p = *v;
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!n.is_number()) bad("a number");
+          double v = *n.value<double>();
+          check_range(v);
+          *p = v;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          auto v = n.value_exact<bool>();
+          if (!v) bad("true or false");
+          *p = *v;
+        } else {
+          auto v = n.value_exact<std::string>();
+          if (!v) bad("a string");
+          if (!f.choices.empty() &&
+              std::find(f.choices.begin(), f.choices.end(), *v) == f.choices.end())
+            fail(where, ": key '", f.path(), "' must be one of ", join(f.choices), ", got \"", *v, "\"");
+          *p = *v;
+        }
+      },
+      f.target);
+}
+
+// Parses the value of a --set override as TOML; bare words are strings (train.device=cpu).
+toml::table parse_override_value(const std::string& value) {
+  try {
+    return toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    toml::table t;
+    t.insert("v", value);
+    return t;
+  }
+}
+
+void validate(const Config& c, const std::string& where) {
+  const auto& m = c.model;
+  if (m.n_heads % m.n_kv_heads != 0)
+    fail(where, ": key 'model.n_kv_heads' (", m.n_kv_heads, ") must divide model.n_heads (", m.n_heads, ")");
+  if (m.head_dim == 0 && m.d_model % m.n_heads != 0)
+    fail(where, ": key 'model.head_dim' is unset and model.d_model (", m.d_model,
+         ") is not divisible by model.n_heads (", m.n_heads, ")");
+  if (m.resolved_head_dim() % 2 != 0)
+    fail(where, ": key 'model.head_dim' must be even for RoPE, got ", m.resolved_head_dim());
+  if (c.train.steps == 0 && c.train.tokens == 0)
+    fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
+  if (c.optim.min_lr > c.optim.lr)
+    fail(where, ": key 'optim.min_lr' (", c.optim.min_lr, ") must not exceed optim.lr (", c.optim.lr, ")");
+}
+
+}  // namespace
+
+Config Config::parse(const std::string& text, const std::string& source,
+                     const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    const auto& b = e.source().begin;
+    fail(source, ":", b.line, ":", b.column, ": TOML syntax error: ", e.description());
+  }
+  Config c;
+  auto fs = fields(c);
+  auto find = [&](const std::string& section, const std::string& key) -> const Field* {
+    for (auto& f : fs)
+      if (f.section == section && f.key == key) return &f;
+    return nullptr;
+  };
+  // Every key in the file must be declared.
+  for (auto&& [sec, node] : root) {
+    std::string s(sec.str());
+    auto* tbl = node.as_table();
+    if (!tbl) fail(source, ": top-level key '", s, "' must be a [section] table");
+    bool known_section = false;
+    for (auto& f : fs) known_section |= f.section == s;
+    if (!known_section) fail(source, ": unknown section '[", s, "]'");
+    for (auto&& [key, val] : *tbl) {
+      const Field* f = find(s, std::string(key.str()));
+      if (!f) fail(source, ": unknown key '", s, ".", key.str(), "'");
+      assign(*f, val, source);
+    }
+  }
+  for (const auto& o : overrides) {
+    std::string where = "--set " + o;
+    auto eq = o.find('=');
+    if (eq == std::string::npos) fail(where, ": expected section.key=value");
+    std::string path = o.substr(0, eq);
+    auto dot = path.find('.');
+    if (dot == std::string::npos) fail(where, ": key '", path, "' must be section.key");
+    const Field* f = find(path.substr(0, dot), path.substr(dot + 1));
+    if (!f) fail(where, ": unknown key '", path, "'");
+    auto value = parse_override_value(o.substr(eq + 1));
+    assign(*f, *value.get("v"), where);
+  }
+  validate(c, source);
+  return c;
+}
+
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream probe(path);
+  if (!probe) fail(path, ": config file not found or unreadable");
+  std::stringstream ss;
+  ss << probe.rdbuf();
+  return parse(ss.str(), path, overrides);
+}
+
+std::string Config::to_toml() const {
+  Config copy = *this;
+  toml::table root;
+  for (const auto& f : fields(copy)) {
+    if (!root.contains(f.section)) root.insert(f.section, toml::table{});
+    auto* sec = root.get_as<toml::table>(f.section);
+    std::visit([&](auto* p) { sec->insert(f.key, *p); }, f.target);
+  }
+  std::ostringstream os;
+  os << root << "\n";
+  return os.str();
+}
+
+int64_t Config::total_steps() const {
+  if (train.steps > 0) return train.steps;
+  return (train.tokens + tokens_per_step() - 1) / tokens_per_step();
+}
+
+}  // namespace depthkit

@@ -1,0 +1,85 @@
+// Run configuration: TOML file → validated structs, with `--set section.key=value` overrides.
+// Every key is declared once (config.cpp, `fields`), which gives loading, validation with
+// messages that name the key, defaults, and the resolved TOML written next to each run.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace depthkit {
+
+struct ModelConfig {
+  int64_t n_layers = 4;
+  int64_t d_model = 128;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 2;
+  int64_t head_dim = 0;  // 0: d_model / n_heads
+  int64_t d_ff = 384;
+  int64_t vocab_size = 4096;
+  int64_t seq_len = 256;
+  bool tie_embeddings = false;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double init_std = 0.02;
+
+  int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
+  int64_t n_branches() const { return 2 * n_layers; }  // L_b: attention and FFN per layer
+};
+
+struct ResidualConfig {
+  std::string kind = "residual";
+  int64_t block_sublayers = 2;  // S: branches per block (block forms of the depth pathways)
+};
+
+struct DataConfig {
+  std::string dir = "data/pydoc";  // holds {train,val}_*.bin shards (and meta.json)
+};
+
+struct TrainConfig {
+  int64_t micro_batch = 8;
+  int64_t grad_accum = 1;
+  int64_t steps = 0;   // optimizer steps; 0: derived from `tokens`
+  int64_t tokens = 0;  // token budget; used when steps = 0
+  int64_t seed = 42;
+  int64_t eval_every = 100;
+  int64_t eval_tokens = 262144;
+  int64_t checkpoint_every = 200;
+  int64_t keep_checkpoints = 2;
+  int64_t log_every = 10;
+  int64_t threads = 0;  // 0: all cores
+  std::string device = "cpu";
+};
+
+struct OptimConfig {
+  double lr = 3e-4;
+  double min_lr = 3e-5;
+  int64_t warmup_steps = 300;
+  std::string schedule = "cosine";  // cosine | wsd
+  double decay_fraction = 0.2;      // wsd: share of steps in the final decay
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;
+};
+
+struct Config {
+  ModelConfig model;
+  ResidualConfig residual;
+  DataConfig data;
+  TrainConfig train;
+  OptimConfig optim;
+
+  // Loads a TOML file, applies "section.key=value" overrides, validates. Throws depthkit::Error.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
+  // Same from TOML text; `source` names it in messages.
+  static Config parse(const std::string& toml_text, const std::string& source,
+                      const std::vector<std::string>& overrides = {});
+  // The fully resolved configuration (every key, defaults included) as TOML.
+  std::string to_toml() const;
+
+  int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * model.seq_len; }
+  int64_t total_steps() const;
+};
+
+}  // namespace depthkit

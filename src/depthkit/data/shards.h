@@ -1,0 +1,52 @@
+// Token shards in the llm.c / modded-nanogpt `.bin` format, so that shards prepared by those
+// tools (e.g. FineWeb-Edu) train here too:
+//   header: 256 × int32 little-endian: [0] magic, [1] version, [2] token count, rest zero;
+//   body:   token ids, uint16 (magic 20240520, version 1, the GPT-2 layout), or
+//           uint32 (magic 20240801, version 7, llm.c's layout for vocabularies over 65,536).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace depthkit {
+
+constexpr int32_t kShardMagicU16 = 20240520;
+constexpr int32_t kShardVersionU16 = 1;
+constexpr int32_t kShardMagicU32 = 20240801;
+constexpr int32_t kShardVersionU32 = 7;
+constexpr int64_t kShardHeaderBytes = 256 * 4;
+
+// Writes a shard atomically with 2-byte tokens if every id < 65,536 would fit `vocab_size`,
+// else 4-byte tokens.
+void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size);
+
+// A read-only memory-mapped shard. Opening validates the header and the file size.
+class Shard {
+ public:
+  explicit Shard(const std::string& path);
+  ~Shard();
+  Shard(Shard&& o) noexcept;
+  Shard(const Shard&) = delete;
+  Shard& operator=(const Shard&) = delete;
+  Shard& operator=(Shard&&) = delete;
+
+  int64_t size() const { return tokens_; }
+  int token_bytes() const { return token_bytes_; }
+  const std::string& path() const { return path_; }
+  uint32_t operator[](int64_t i) const {
+    return token_bytes_ == 2 ? static_cast<const uint16_t*>(body_)[i]
+                             : static_cast<const uint32_t*>(body_)[i];
+  }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const void* body_ = nullptr;
+  int64_t tokens_ = 0;
+  int token_bytes_ = 2;
+};
+
+std::vector<uint32_t> read_shard(const std::string& path);
+
+}  // namespace depthkit

@@ -1,0 +1,78 @@
+#include "depthkit/model/parameters.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+ParameterStore::ParameterStore(at::Device device, uint64_t seed)
+    : device_(device), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+
+at::Tensor ParameterStore::add(const std::string& name, const std::string& component,
+                               at::IntArrayRef shape, Init init, double std) {
+  for (const auto& p : params_)
+    if (p.name == name) fail("parameter '", name, "' registered twice");
+  at::Tensor t;
+  if (device_.is_meta()) {
+    t = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+  } else {
+    t = at::empty(shape, at::kFloat);
+    switch (init) {
+      case Init::Normal: t.normal_(0.0, std, gen_); break;
+      case Init::Ones: t.fill_(1.0); break;
+      case Init::Zeros: t.zero_(); break;
+    }
+    t = t.to(device_);
+  }
+  t.set_requires_grad(true);
+  params_.push_back({name, component, t, shape.size() >= 2});
+  return t;
+}
+
+at::Tensor ParameterStore::get(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return p.tensor;
+  fail("no parameter named '", name, "'");
+}
+
+int64_t ParameterStore::count(const std::string& component) const {
+  int64_t n = 0;
+  for (const auto& p : params_)
+    if (component.empty() || p.component == component) n += p.tensor.numel();
+  return n;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> ParameterStore::named() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : params_) out.emplace_back(p.name, p.tensor);
+  return out;
+}
+
+void ParameterStore::load(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
+  for (const auto& p : params_) {
+    auto it = tensors.find(p.name);
+    if (it == tensors.end()) fail(source, ": missing tensor '", p.name, "'");
+    if (it->second.sizes() != p.tensor.sizes())
+      fail(source, ": tensor '", p.name, "' has shape ", it->second.sizes(), ", the model needs ", p.tensor.sizes());
+    if (it->second.scalar_type() != p.tensor.scalar_type())
+      fail(source, ": tensor '", p.name, "' has dtype ", it->second.scalar_type(), ", the model needs ", p.tensor.scalar_type());
+  }
+  if (tensors.size() != params_.size()) {
+    for (const auto& [name, t] : tensors) {
+      bool known = std::any_of(params_.begin(), params_.end(), [&](auto& p) { return p.name == name; });
+      if (!known) fail(source, ": unexpected tensor '", name, "' (not a parameter of this model)");
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (auto& p : params_) p.tensor.copy_(tensors.at(p.name));
+}
+
+void ParameterStore::zero_grad() {
+  for (auto& p : params_)
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
+}
+
+}  // namespace depthkit

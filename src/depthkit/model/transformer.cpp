@@ -1,0 +1,62 @@
+#include "depthkit/model/transformer.h"
+
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/linear.h>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
+                         uint64_t seed)
+    : cfg_(model), params_(device, seed) {
+  const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
+  embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
+  for (int64_t i = 0; i < cfg_.n_layers; ++i) {
+    attention_.emplace_back(cfg_, params_, cat("layers.", i, ".attention"));
+    feed_forward_.emplace_back(cfg_, params_, cat("layers.", i, ".feed_forward"));
+  }
+  path_ = make_pathway(residual, cfg_, params_);
+  final_norm_ = params_.add("final_norm", "norm", {d}, Init::Ones);
+  lm_head_ = cfg_.tie_embeddings ? embedding_
+                                 : params_.add("lm_head", "lm_head", {V, d}, Init::Normal, cfg_.init_std);
+  if (!device.is_meta()) rope_ = std::make_unique<Rope>(cfg_.resolved_head_dim(), cfg_.seq_len, cfg_.rope_theta, device);
+}
+
+at::Tensor Transformer::branch(int64_t l, const at::Tensor& h) const {
+  const int64_t layer = (l - 1) / 2;
+  return l % 2 == 1 ? attention_[layer].forward(h, *rope_) : feed_forward_[layer].forward(h);
+}
+
+at::Tensor Transformer::logits(const at::Tensor& tokens) {
+  if (!rope_) fail("model built on the meta device cannot run");
+  if (tokens.size(1) > cfg_.seq_len)
+    fail("sequence of ", tokens.size(1), " tokens exceeds model.seq_len ", cfg_.seq_len);
+  auto state = path_->begin(at::embedding(embedding_, tokens));
+  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
+    auto h = path_->read(*state, l);
+    path_->write(*state, l, branch(l, h));
+  }
+  auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
+  return at::linear(hidden, lm_head_);
+}
+
+at::Tensor Transformer::loss(const at::Tensor& batch) {
+  const int64_t T = batch.size(1) - 1;
+  auto logits_ = logits(batch.narrow(1, 0, T));
+  return at::cross_entropy_loss(logits_.reshape({-1, cfg_.vocab_size}), batch.narrow(1, 1, T).reshape({-1}));
+}
+
+ParameterCounts Transformer::count() const {
+  ParameterCounts c;
+  c.total = params_.count();
+  c.residual = params_.count("residual");
+  const int64_t vocab = params_.count("embedding") + params_.count("lm_head");
+  c.non_vocab = c.total - vocab;
+  for (const char* comp : {"embedding", "attention", "feed_forward", "norm", "residual", "lm_head"})
+    c.by_component.emplace_back(comp, params_.count(comp));
+  return c;
+}
+
+}  // namespace depthkit

@@ -1,0 +1,46 @@
+// The decoder-only Pre-Norm Transformer (DAR paper's dense backbone): token embedding, per layer
+// an attention branch and a feed-forward branch, each wrapped by the residual pathway through
+// the seam of pathways/pathway.h, final RMSNorm, LM head (untied by default).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "depthkit/config/config.h"
+#include "depthkit/model/layers.h"
+#include "depthkit/model/parameters.h"
+#include "depthkit/pathways/pathway.h"
+
+namespace depthkit {
+
+struct ParameterCounts {
+  int64_t total = 0, non_vocab = 0, residual = 0;
+  std::vector<std::pair<std::string, int64_t>> by_component;
+};
+
+class Transformer {
+ public:
+  // device kMeta builds shapes only (for counting); seed fixes the initialisation.
+  Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed);
+
+  at::Tensor logits(const at::Tensor& tokens);  // int64 [B, T] → float [B, T, V]
+  at::Tensor loss(const at::Tensor& batch);     // int64 [B, T+1] → mean next-token cross-entropy
+  ParameterStore& parameters() { return params_; }
+  const ParameterStore& parameters() const { return params_; }
+  const ModelConfig& config() const { return cfg_; }
+  ResidualPathway& pathway() { return *path_; }
+  ParameterCounts count() const;
+
+ private:
+  at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
+  ModelConfig cfg_;
+  ParameterStore params_;
+  at::Tensor embedding_, final_norm_, lm_head_;
+  std::vector<Attention> attention_;
+  std::vector<FeedForward> feed_forward_;
+  std::unique_ptr<ResidualPathway> path_;
+  std::unique_ptr<Rope> rope_;
+};
+
+}  // namespace depthkit

@@ -1,0 +1,14 @@
+#include "depthkit/pathways/pathway.h"
+
+#include "depthkit/pathways/residual.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,
+                                              ParameterStore& params) {
+  if (residual.kind == "residual") return std::make_unique<StandardResidual>();
+  fail("residual.kind: unknown pathway \"", residual.kind, "\"");
+}
+
+}  // namespace depthkit

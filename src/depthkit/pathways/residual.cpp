@@ -1,0 +1,28 @@
+#include <ATen/TensorOperators.h>
+
+#include "depthkit/pathways/residual.h"
+
+namespace depthkit {
+
+namespace {
+struct Stream final : PathwayState {
+  at::Tensor h;  // [B, T, d]
+};
+Stream& stream(PathwayState& s) { return static_cast<Stream&>(s); }
+}  // namespace
+
+std::unique_ptr<PathwayState> StandardResidual::begin(const at::Tensor& embedding) {
+  auto s = std::make_unique<Stream>();
+  s->h = embedding;
+  return s;
+}
+
+at::Tensor StandardResidual::read(PathwayState& state, int64_t) { return stream(state).h; }
+
+void StandardResidual::write(PathwayState& state, int64_t, const at::Tensor& out) {
+  stream(state).h = stream(state).h + out;
+}
+
+at::Tensor StandardResidual::finish(PathwayState& state) { return stream(state).h; }
+
+}  // namespace depthkit

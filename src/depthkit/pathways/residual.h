@@ -1,0 +1,16 @@
+// The standard Pre-Norm residual: h_{ℓ+1} = h_ℓ + f_ℓ(h_ℓ) (DAR eq. 1). No parameters.
+#pragma once
+#include "depthkit/pathways/pathway.h"
+
+namespace depthkit {
+
+class StandardResidual final : public ResidualPathway {
+ public:
+  std::string kind() const override { return "residual"; }
+  std::unique_ptr<PathwayState> begin(const at::Tensor& embedding) override;
+  at::Tensor read(PathwayState& state, int64_t branch) override;
+  void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
+  at::Tensor finish(PathwayState& state) override;
+};
+
+}  // namespace depthkit

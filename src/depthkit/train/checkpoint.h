@@ -1,0 +1,48 @@
+// Checkpoints: <run_dir>/checkpoints/step_NNNNNNNN/ with
+//   model.safetensors      every parameter, by name
+//   optimizer.safetensors  AdamW moments and step
+//   state.json             step, tokens seen, data position, seed, RNG state, resolved config
+// Each file is written atomically into a temporary folder that is renamed into place, then
+// <run_dir>/checkpoints/latest is replaced atomically: a crash leaves the last good one intact.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "depthkit/data/loader.h"
+#include "depthkit/io/safetensors.h"
+
+namespace depthkit {
+
+namespace fs = std::filesystem;
+class Transformer;
+class AdamW;
+
+struct TrainerState {
+  int64_t step = 0;  // optimizer steps completed
+  int64_t tokens_seen = 0;
+  LoaderPosition data;
+  int64_t seed = 0;
+  std::string rng_state;  // hex of the default CPU generator's state
+  std::string config_toml;
+};
+
+fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
+                         const TrainerState& state, int64_t keep);
+
+// The checkpoint `name` (e.g. "step_00000100") or, when empty, the latest one; nullopt if none.
+std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::string& name = "");
+
+struct Checkpoint {
+  fs::path dir;
+  TrainerState state;
+  SafetensorsFile model;
+  SafetensorsFile optimizer;  // empty unless load_optimizer
+};
+Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer);
+
+std::string capture_rng_state();
+void restore_rng_state(const std::string& hex, const std::string& source);
+
+}  // namespace depthkit

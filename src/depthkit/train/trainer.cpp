@@ -1,0 +1,183 @@
+#include <ATen/TensorOperators.h>
+
+#include "depthkit/train/trainer.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/data/loader.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/train/evaluate.h"
+#include "depthkit/train/optimizer.h"
+#include "depthkit/train/schedule.h"
+#include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
+#include "depthkit/util/progress.h"
+
+namespace depthkit {
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+void on_signal(int sig) { g_stop_signal.store(sig); }
+
+// Drops metrics of steps after `step` (left by a run that died after its last checkpoint).
+void truncate_metrics(const fs::path& path, int64_t step) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.contains("step") || j["step"].get<int64_t>() <= step) kept += line + "\n";
+  }
+  write_file_atomic(path, kept);
+}
+
+class MetricsLog {
+ public:
+  explicit MetricsLog(const fs::path& path) : out_(path, std::ios::app) {
+    if (!out_) fail(path.string(), ": cannot open for appending");
+  }
+  void write(const nlohmann::json& j) {
+    out_ << j.dump() << "\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace
+
+void install_stop_signals() {
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+}
+
+Config load_run_config(const fs::path& run_dir, const std::vector<std::string>& overrides) {
+  const fs::path p = run_dir / "config.toml";
+  if (!fs::exists(p)) fail(p.string(), ": not found (is '", run_dir.string(), "' a run directory?)");
+  return Config::load(p.string(), overrides);
+}
+
+TrainResult train(const TrainOptions& opt) {
+  Config cfg = opt.config;
+  const fs::path& run_dir = opt.run_dir;
+  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  // Open and check everything that can fail on bad input before anything is written.
+  const int64_t total = cfg.total_steps();
+  const int64_t T = cfg.model.seq_len;
+  TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
+  TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
+  auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
+
+  std::optional<Checkpoint> ckpt;
+  if (opt.resume) {
+    auto dir = find_checkpoint(run_dir);
+    if (!dir) fail(run_dir.string(), ": --resume given but the run has no checkpoint");
+    ckpt = load_checkpoint(*dir, true);
+  } else if (find_checkpoint(run_dir)) {
+    fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+  }
+  Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
+  AdamW optim(model.parameters(), cfg.optim);
+  TrainerState st;
+  st.seed = cfg.train.seed;
+  if (ckpt) {
+    model.parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
+    optim.load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
+    st = ckpt->state;
+    restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
+    if (st.seed != cfg.train.seed)
+      fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", st.seed);
+  }
+  BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(cfg.train.seed), st.data);
+  fs::create_directories(run_dir);
+  write_file_atomic(run_dir / "config.toml", cfg.to_toml());
+  truncate_metrics(run_dir / "metrics.jsonl", st.step);
+  MetricsLog metrics(run_dir / "metrics.jsonl");
+
+  auto checkpoint = [&]() {
+    st.data = loader.position();
+    st.rng_state = capture_rng_state();
+    st.config_toml = cfg.to_toml();
+    return save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
+  };
+  auto run_eval = [&](int64_t step) {
+    double v = evaluate(model, val_batches);
+    metrics.write({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
+    return v;
+  };
+
+  TrainResult result;
+  result.step = st.step;
+  Progress bar("train", total, "tok");
+  const int64_t tokens_per_step = cfg.tokens_per_step();
+  const auto t0 = std::chrono::steady_clock::now();
+  double last_val = -1;
+  while (st.step < total) {
+    const double lr = learning_rate(cfg.optim, st.step, total);
+    model.parameters().zero_grad();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
+      at::Tensor loss = model.loss(loader.next()) / double(cfg.train.grad_accum);
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
+    if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
+      auto last = find_checkpoint(run_dir);
+      fail("non-finite ", std::isfinite(loss_sum) ? "gradient norm" : "loss", " at step ", st.step + 1,
+           " (loss ", loss_sum, ", grad norm ", gnorm, "); stopping. Last good checkpoint: ",
+           last ? last->string() : "none");
+    }
+    optim.step(lr);
+    ++st.step;
+    st.tokens_seen += tokens_per_step;
+    result.losses.push_back(loss_sum);
+    result.last_loss = loss_sum;
+
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (st.step % cfg.train.log_every == 0 || st.step == total)
+      metrics.write({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
+                     {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
+    char status[96];
+    std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
+                  last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
+    bar.update(st.step, double(st.tokens_seen), status);
+
+    if (cfg.train.eval_every > 0 && st.step % cfg.train.eval_every == 0 && st.step != total)
+      last_val = run_eval(st.step);
+    const bool stop = g_stop_signal.load() != 0 || st.step == opt.stop_after;
+    if (stop || st.step == total ||
+        (cfg.train.checkpoint_every > 0 && st.step % cfg.train.checkpoint_every == 0))
+      checkpoint();
+    if (stop && st.step != total) {
+      bar.finish("interrupted");
+      std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
+      result.interrupted = true;
+      result.step = st.step;
+      return result;
+    }
+  }
+  result.val_loss = run_eval(st.step);
+  bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
+  result.step = st.step;
+  nlohmann::json summary = {{"step", st.step},
+                            {"tokens_seen", st.tokens_seen},
+                            {"train_loss", result.last_loss},
+                            {"val_loss", result.val_loss},
+                            {"val_ppl", std::exp(result.val_loss)}};
+  write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
+  return result;
+}
+
+}  // namespace depthkit

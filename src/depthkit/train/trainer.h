@@ -1,0 +1,37 @@
+// The training loop: AdamW with warm-up + cosine (or WSD) schedule, gradient accumulation and
+// clipping, periodic evaluation, metrics.jsonl, atomic checkpoints (periodic, final, and on
+// SIGINT/SIGTERM), exact resume, and a stop with a clear message on a non-finite loss.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "depthkit/config/config.h"
+
+namespace depthkit {
+
+struct TrainOptions {
+  Config config;
+  std::filesystem::path run_dir;
+  bool resume = false;
+  int64_t stop_after = -1;  // stop (with a checkpoint) after this many steps, as if interrupted
+};
+
+struct TrainResult {
+  int64_t step = 0;            // optimizer steps completed
+  double last_loss = 0;        // training loss of the last step
+  double val_loss = -1;        // final evaluation (-1: none)
+  bool interrupted = false;    // stopped by a signal or stop_after
+  std::vector<double> losses;  // training loss of every step run in this call
+};
+
+TrainResult train(const TrainOptions& opt);
+
+// The configuration of an existing run (its config.toml) with overrides applied.
+Config load_run_config(const std::filesystem::path& run_dir, const std::vector<std::string>& overrides);
+
+// Installs SIGINT/SIGTERM handlers that ask the loop to checkpoint and stop.
+void install_stop_signals();
+
+}  // namespace depthkit

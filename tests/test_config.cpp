@@ -1,0 +1,93 @@
+// Config loading, validation messages, --set overrides, and the learning-rate schedules.
+#include <cmath>
+
+#include "depthkit/train/schedule.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+TEST(Config, LoadsEveryShippedConfig) {
+  for (const char* name : {"tiny.toml", "paper/dense-0.1b.toml", "paper/dense-0.3b.toml",
+                           "paper/dense-0.5b.toml", "paper/dense-1b.toml"}) {
+    Config c = Config::load(source_dir() + "/configs/" + name);
+    EXPECT_GT(c.total_steps(), 0) << name;
+  }
+}
+
+TEST(Config, UnknownKeyIsNamed) {
+  expect_error([] { Config::parse("[model]\nn_layer = 3\n[train]\nsteps=1\n", "x.toml"); },
+               {"x.toml", "unknown key 'model.n_layer'"});
+  expect_error([] { Config::parse("[modle]\nn_layers = 3\n", "x.toml"); }, {"x.toml", "unknown section '[modle]'"});
+}
+
+TEST(Config, WrongTypeIsNamed) {
+  expect_error([] { Config::parse("[model]\nn_layers = \"4\"\n[train]\nsteps=1\n", "x.toml"); },
+               {"x.toml", "'model.n_layers'", "must be an integer", "string \"4\""});
+  expect_error([] { Config::parse("[model]\ntie_embeddings = 1\n[train]\nsteps=1\n", "x.toml"); },
+               {"'model.tie_embeddings'", "true or false"});
+  expect_error([] { Config::parse("[optim]\nlr = \"fast\"\n[train]\nsteps=1\n", "x.toml"); },
+               {"'optim.lr'", "must be a number"});
+}
+
+TEST(Config, OutOfRangeIsNamed) {
+  expect_error([] { Config::parse("[model]\nn_layers = 0\n[train]\nsteps=1\n", "x.toml"); },
+               {"'model.n_layers'", "got 0"});
+  expect_error([] { Config::parse("[optim]\nschedule = \"linear\"\n[train]\nsteps=1\n", "x.toml"); },
+               {"'optim.schedule'", "\"cosine\", \"wsd\"", "\"linear\""});
+  expect_error([] { Config::parse("[model]\nn_heads = 4\nn_kv_heads = 3\n[train]\nsteps=1\n", "x.toml"); },
+               {"'model.n_kv_heads'"});
+  expect_error([] { Config::parse("[train]\nsteps = 0\n", "x.toml"); }, {"'train.steps'"});
+}
+
+TEST(Config, SyntaxErrorNamesFileAndLine) {
+  expect_error([] { Config::parse("[model\nn_layers = 3\n", "broken.toml"); }, {"broken.toml:1", "syntax"});
+}
+
+TEST(Config, SetOverrides) {
+  const std::string base = "[train]\nsteps = 10\n";
+  Config c = Config::parse(base, "x.toml", {"model.n_layers=28", "optim.lr=1e-3", "train.device=cpu",
+                                            "model.tie_embeddings=true", "optim.schedule=\"wsd\""});
+  EXPECT_EQ(c.model.n_layers, 28);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 1e-3);
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.optim.schedule, "wsd");
+  expect_error([&] { Config::parse(base, "x.toml", {"model.nope=1"}); }, {"--set model.nope=1", "unknown key 'model.nope'"});
+  expect_error([&] { Config::parse(base, "x.toml", {"model.n_layers=abc"}); }, {"'model.n_layers'", "must be an integer"});
+  expect_error([&] { Config::parse(base, "x.toml", {"n_layers"}); }, {"--set n_layers", "section.key=value"});
+}
+
+TEST(Config, ResolvedTomlRoundTrips) {
+  Config c = Config::load(source_dir() + "/configs/tiny.toml", {"model.head_dim=64", "optim.eps=1e-15"});
+  Config d = Config::parse(c.to_toml(), "resolved");
+  EXPECT_EQ(c.to_toml(), d.to_toml());
+  EXPECT_EQ(d.model.head_dim, 64);
+  EXPECT_DOUBLE_EQ(d.optim.eps, 1e-15);
+}
+
+TEST(Schedule, WarmupThenCosineToMinimum) {
+  OptimConfig o;
+  o.lr = 1.0;
+  o.min_lr = 0.1;
+  o.warmup_steps = 10;
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0, 100), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 9, 100), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 10, 100), 1.0);
+  EXPECT_NEAR(learning_rate(o, 99, 100), 0.1, 1e-12);
+  EXPECT_NEAR(learning_rate(o, 10 + 89 / 2.0, 100), 0.55, 0.02);
+  for (int s = 11; s < 100; ++s) EXPECT_LE(learning_rate(o, s, 100), learning_rate(o, s - 1, 100));
+}
+
+TEST(Schedule, WarmupStableExponentialDecay) {
+  OptimConfig o;
+  o.lr = 1.0;
+  o.min_lr = 0.1;
+  o.warmup_steps = 10;
+  o.schedule = "wsd";
+  o.decay_fraction = 0.2;
+  EXPECT_DOUBLE_EQ(learning_rate(o, 50, 100), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 79, 100), 1.0);
+  EXPECT_NEAR(learning_rate(o, 89, 100), std::pow(0.1, 0.5), 1e-12);
+  EXPECT_NEAR(learning_rate(o, 99, 100), 0.1, 1e-12);
+}
+
+}  // namespace depthkit::test

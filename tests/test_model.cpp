@@ -1,0 +1,97 @@
+// The dense backbone: the DAR paper's parameter counts, causality, initialisation, and that it
+// learns (overfits one batch).
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/randint.h>
+
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/optimizer.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+struct PaperCount {
+  const char* config;
+  int64_t non_vocab;  // DAR Table A.3 (excl. vocabulary), exact
+  int64_t d_model;
+};
+
+TEST(Model, PaperParameterCounts) {
+  for (PaperCount p : {PaperCount{"dense-0.1b", 98'325'120, 640}, PaperCount{"dense-0.3b", 304'129'024, 1024},
+                       PaperCount{"dense-0.5b", 491'572'480, 1280}, PaperCount{"dense-1b", 1'069'631'488, 2048}}) {
+    Config c = Config::load(source_dir() + "/configs/paper/" + p.config + ".toml");
+    Transformer m(c.model, c.residual, at::kMeta, 0);
+    ParameterCounts n = m.count();
+    EXPECT_EQ(n.non_vocab, p.non_vocab) << p.config;
+    EXPECT_EQ(n.residual, 0) << p.config;
+    EXPECT_EQ(n.total, p.non_vocab + 2 * 65536 * p.d_model) << p.config;  // untied embedding + head
+  }
+}
+
+Config tiny_model(bool tied = false) {
+  Config c = small_config("unused");
+  c.model.tie_embeddings = tied;
+  return c;
+}
+
+TEST(Model, TiedEmbeddingsShareOneMatrix) {
+  Config c = tiny_model(true);
+  Transformer tied(c.model, c.residual, at::kCPU, 1);
+  Transformer untied(tiny_model(false).model, c.residual, at::kCPU, 1);
+  EXPECT_EQ(untied.count().total - tied.count().total, c.model.vocab_size * c.model.d_model);
+  EXPECT_THROW(tied.parameters().get("lm_head"), Error);
+}
+
+TEST(Model, SeedFixesInitialisation) {
+  Config c = tiny_model();
+  Transformer a(c.model, c.residual, at::kCPU, 7), b(c.model, c.residual, at::kCPU, 7), x(c.model, c.residual, at::kCPU, 8);
+  auto pa = a.parameters().named(), pb = b.parameters().named(), px = x.parameters().named();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+  EXPECT_FALSE(at::equal(a.parameters().get("embedding"), x.parameters().get("embedding")));
+  // Output projections are scaled down by sqrt(2 · n_layers).
+  double s_in = a.parameters().get("layers.0.attention.wq").std().item<double>();
+  double s_out = a.parameters().get("layers.0.attention.wo").std().item<double>();
+  EXPECT_NEAR(s_in, 0.02, 0.002);
+  EXPECT_NEAR(s_out, 0.02 / 2.0, 0.001);
+}
+
+TEST(Model, IsCausal) {
+  Config c = tiny_model();
+  Transformer m(c.model, c.residual, at::kCPU, 3);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Tensor tokens = at::randint(c.model.vocab_size, {2, c.model.seq_len}, gen);
+  at::NoGradGuard no_grad;
+  at::Tensor base = m.logits(tokens);
+  for (int64_t t : {int64_t(0), int64_t(5), c.model.seq_len - 2}) {
+    at::Tensor changed = tokens.clone();
+    changed.select(1, t + 1).add_(1).remainder_(c.model.vocab_size);
+    at::Tensor out = m.logits(changed);
+    EXPECT_TRUE(at::allclose(out.narrow(1, 0, t + 1), base.narrow(1, 0, t + 1), 0, 1e-6)) << "position " << t;
+    EXPECT_FALSE(at::allclose(out.narrow(1, t + 1, 1), base.narrow(1, t + 1, 1), 0, 1e-6)) << "position " << t + 1;
+  }
+}
+
+TEST(Model, OverfitsOneBatch) {
+  Config c = tiny_model();
+  c.optim.weight_decay = 0;
+  Transformer m(c.model, c.residual, at::kCPU, 4);
+  AdamW opt(m.parameters(), c.optim);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  at::Tensor batch = at::randint(c.model.vocab_size, {4, c.model.seq_len + 1}, gen);
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    m.parameters().zero_grad();
+    at::Tensor loss = m.loss(batch);
+    loss.backward();
+    clip_grad_norm(m.parameters(), 1.0);
+    opt.step(1e-2);
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_NEAR(first, std::log(double(c.model.vocab_size)), 0.3);  // uniform at initialisation
+  EXPECT_LT(last, 0.25 * first);
+}
+
+}  // namespace depthkit::test

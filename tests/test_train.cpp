@@ -1,0 +1,171 @@
+// safetensors I/O, checkpoints, exact resume, non-finite stop, optimizer parity.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/io/safetensors.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/train/trainer.h"
+#include "depthkit/util/fs.h"
+#include "depthkit/util/progress.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
+  TempDir d;
+  NamedTensors in = {{"a", at::arange(12, at::kFloat).reshape({3, 4})},
+                     {"b", at::arange(5, at::kLong)},
+                     {"c", at::ones({2, 2}, at::kBFloat16)},
+                     {"scalar", at::full({}, 2.5, at::kDouble)}};
+  save_safetensors(d.str("x.safetensors"), in, {{"k", "v"}});
+  auto out = load_safetensors(d.str("x.safetensors"));
+  ASSERT_EQ(out.tensors.size(), 4u);
+  for (auto& [name, t] : in) EXPECT_TRUE(at::equal(out.tensors.at(name), t)) << name;
+  EXPECT_EQ(out.metadata.at("k"), "v");
+  // Header length is a multiple of 8, as the format asks.
+  std::string bytes = read_file(d.str("x.safetensors"));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  EXPECT_EQ(n % 8, 0u);
+}
+
+TEST(Safetensors, MalformedFilesAreClearErrors) {
+  TempDir d;
+  save_safetensors(d.str("ok.safetensors"), {{"w", at::ones({100})}});
+  std::string good = read_file(d.str("ok.safetensors"));
+  auto write = [&](const std::string& name, const std::string& bytes) {
+    std::ofstream(d.str(name), std::ios::binary) << bytes;
+    return d.str(name);
+  };
+  expect_error([&] { load_safetensors(write("short", "abc")); }, {"short", "no header"});
+  expect_error([&] { load_safetensors(write("trunc", good.substr(0, good.size() - 10))); }, {"trunc", "'w'", "data"});
+  std::string huge = good;
+  huge[6] = 1;
+  expect_error([&] { load_safetensors(write("len", huge)); }, {"len", "header length"});
+  std::string json = good;
+  json[8] = '#';
+  expect_error([&] { load_safetensors(write("json", json)); }, {"json", "not valid JSON"});
+  expect_error([&] { load_safetensors(d.str("absent")); }, {"absent", "cannot open"});
+}
+
+// Reads the training losses of metrics.jsonl by step.
+std::map<int64_t, double> losses(const fs::path& run) {
+  std::map<int64_t, double> out;
+  std::ifstream in(run / "metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+
+class TrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Progress::set_enabled(false);
+    write_pattern_data(dir.str("data"), 64, 6000, 1000);
+  }
+  void TearDown() override { Progress::set_enabled(true); }
+  TrainOptions options(const std::string& run) {
+    TrainOptions o;
+    o.config = small_config(dir.str("data"));
+    o.run_dir = dir.str(run);
+    return o;
+  }
+  TempDir dir;
+};
+
+TEST_F(TrainTest, CheckpointRoundTrip) {
+  TrainOptions o = options("run");
+  o.config.train.steps = 4;
+  TrainResult r = train(o);
+  EXPECT_EQ(r.step, 4);
+  auto ck_dir = find_checkpoint(o.run_dir);
+  ASSERT_TRUE(ck_dir);
+  EXPECT_EQ(ck_dir->filename(), "step_00000004");
+  Checkpoint ck = load_checkpoint(*ck_dir, true);
+  EXPECT_EQ(ck.state.step, 4);
+  EXPECT_EQ(ck.state.tokens_seen, 4 * 4 * 16);
+  EXPECT_EQ(ck.state.data.index, 16);
+  EXPECT_EQ(Config::parse(ck.state.config_toml, "state").to_toml(), o.config.to_toml());
+  Transformer m(o.config.model, o.config.residual, at::kCPU, 99);
+  m.parameters().load(ck.model.tensors, "model.safetensors");
+  for (auto& [name, t] : m.parameters().named()) EXPECT_TRUE(at::equal(t, ck.model.tensors.at(name))) << name;
+  EXPECT_EQ(ck.optimizer.tensors.at("step").item<int64_t>(), 4);
+  // Loading into a model of another shape names the tensor and both shapes.
+  Config other = o.config;
+  other.model.d_model = 48;
+  Transformer wrong(other.model, other.residual, at::kCPU, 0);
+  expect_error([&] { wrong.parameters().load(ck.model.tensors, "model.safetensors"); },
+               {"model.safetensors", "'embedding'", "shape"});
+}
+
+TEST_F(TrainTest, ResumeContinuesWithIdenticalLosses) {
+  TrainOptions whole = options("whole");
+  TrainResult a = train(whole);
+  ASSERT_EQ(a.losses.size(), 8u);
+
+  TrainOptions part = options("parts");
+  part.stop_after = 3;  // interrupted between periodic checkpoints
+  TrainResult b1 = train(part);
+  EXPECT_TRUE(b1.interrupted);
+  EXPECT_EQ(b1.step, 3);
+  part.stop_after = -1;
+  part.resume = true;
+  TrainResult b2 = train(part);
+  ASSERT_EQ(b2.losses.size(), 5u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(b1.losses[i], a.losses[i]) << "step " << i + 1;
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(b2.losses[i], a.losses[i + 3]) << "step " << i + 4;
+  EXPECT_EQ(b2.val_loss, a.val_loss);
+  EXPECT_EQ(losses(whole.run_dir), losses(part.run_dir));
+  auto ca = load_checkpoint(*find_checkpoint(whole.run_dir), true);
+  auto cb = load_checkpoint(*find_checkpoint(part.run_dir), true);
+  for (auto& [name, t] : ca.model.tensors) EXPECT_TRUE(at::equal(t, cb.model.tensors.at(name))) << name;
+  for (auto& [name, t] : ca.optimizer.tensors) EXPECT_TRUE(at::equal(t, cb.optimizer.tensors.at(name))) << name;
+}
+
+TEST_F(TrainTest, FreshRunRefusesToOverwriteCheckpoints) {
+  TrainOptions o = options("run");
+  o.config.train.steps = 2;
+  train(o);
+  expect_error([&] { train(o); }, {"already has checkpoints", "--resume"});
+}
+
+TEST_F(TrainTest, NonFiniteLossStopsAndKeepsLastCheckpoint) {
+  TrainOptions o = options("run");
+  o.config.train.steps = 2;
+  o.config.train.checkpoint_every = 1;
+  train(o);
+  // Poison the latest checkpoint's weights so the next step's loss is NaN.
+  fs::path last = *find_checkpoint(o.run_dir);
+  auto st = load_safetensors((last / "model.safetensors").string());
+  st.tensors.at("final_norm").fill_(std::numeric_limits<float>::quiet_NaN());
+  NamedTensors poisoned(st.tensors.begin(), st.tensors.end());
+  save_safetensors((last / "model.safetensors").string(), poisoned);
+  const std::string before = read_file(last / "model.safetensors");
+  o.config.train.steps = 4;
+  o.resume = true;
+  expect_error([&] { train(o); }, {"non-finite loss at step 3", "step_00000002"});
+  EXPECT_EQ(find_checkpoint(o.run_dir)->filename(), "step_00000002");
+  EXPECT_FALSE(fs::exists(o.run_dir / "checkpoints" / "step_00000003"));
+  EXPECT_EQ(read_file(last / "model.safetensors"), before);
+}
+
+TEST_F(TrainTest, LossFallsOnLearnableData) {
+  TrainOptions o = options("run");
+  o.config.train.steps = 150;
+  o.config.train.eval_every = 0;
+  o.config.optim.lr = 1e-2;
+  TrainResult r = train(o);
+  EXPECT_NEAR(r.losses.front(), std::log(64.0), 0.2);  // uniform at initialisation
+  EXPECT_LT(r.val_loss, std::log(64.0) - 1.0);
+}
+
+}  // namespace depthkit::test
