@@ -33,7 +33,6 @@ int run_train(const TrainArgs& a) {
     opt.run_dir = a.run_dir.empty() ? fs::path("runs") / fs::path(a.config).stem() : fs::path(a.run_dir);
   }
   install_stop_signals();
-  std::fprintf(stderr, "run directory: %s\n", opt.run_dir.c_str());
   TrainResult r = train(opt);
   if (r.interrupted) return 130;
   nlohmann::json j = {{"run_dir", opt.run_dir.string()}, {"step", r.step}, {"train_loss", r.last_loss},

@@ -17,6 +17,15 @@ int main(int argc, char** argv) {
   depthkit::cli::add_params(app, action);
   depthkit::cli::add_bench(app, action);
   depthkit::cli::add_info(app, action);
+  auto is_command = [&](const std::string& name) {
+    for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+      if (sub->get_name() == name) return true;
+    return false;
+  };
+  if (argc > 1 && argv[1][0] != '-' && !is_command(argv[1])) {
+    std::fprintf(stderr, "depthkit: error: unknown command '%s' (see --help)\n", argv[1]);
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

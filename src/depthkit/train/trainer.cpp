@@ -103,6 +103,10 @@ TrainResult train(const TrainOptions& opt) {
   fs::create_directories(run_dir);
   write_file_atomic(run_dir / "config.toml", cfg.to_toml());
   truncate_metrics(run_dir / "metrics.jsonl", st.step);
+  if (Progress::enabled())
+    std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s\n", run_dir.c_str(),
+                 cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(),
+                 ckpt ? cat(", resuming at step ", st.step).c_str() : "");
   MetricsLog metrics(run_dir / "metrics.jsonl");
 
   auto checkpoint = [&]() {

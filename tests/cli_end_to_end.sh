@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The commands end to end on real text: data prepare (on a slice of the bundled corpus), train,
+# SIGINT → checkpoint → --resume, eval --json, params --json on the paper configs, bench --json.
+set -euo pipefail
+DK=$1
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+cd "$TMP"
+fail() { echo "FAIL: $*"; exit 1; }
+json() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
+
+# Paper parameter counts (DAR Table A.3), printed by `params --json`.
+for pair in dense-0.1b:98325120 dense-0.3b:304129024 dense-0.5b:491572480 dense-1b:1069631488; do
+  got=$("$DK" params --config "$SRC/configs/paper/${pair%%:*}.toml" --json | json '["non_vocab"]')
+  [ "$got" = "${pair##*:}" ] || fail "params ${pair%%:*}: non_vocab $got, expected ${pair##*:}"
+  res=$("$DK" params --config "$SRC/configs/paper/${pair%%:*}.toml" --json | json '["residual"]')
+  [ "$res" = 0 ] || fail "params ${pair%%:*}: residual $res"
+done
+got=$("$DK" params --config "$SRC/configs/paper/dense-0.1b.toml" --set model.n_layers=28 --json | json '["non_vocab"]')
+[ "$got" = $((98325120 / 16 * 28 - 640 * 28 / 16 + 640)) ] || fail "--set model.n_layers=28 gave $got"
+
+CORPUS=/usr/share/doc/python3.11/html/_sources/tutorial
+[ -d "$CORPUS" ] || fail "$CORPUS missing (scripts/setup installs python3.11-doc)"
+"$DK" data prepare --input "$CORPUS" --out data --vocab-size 512 --val-fraction 0.2 --json >prep.json
+[ "$(json '["vocab_size"]' <prep.json)" -le 512 ] || fail "vocab"
+[ -f data/meta.json ] && [ -f data/train_000000.bin ] && [ -f data/val_000000.bin ] || fail "prepare outputs"
+
+SETS=(--set model.vocab_size=512 --set model.seq_len=64 --set model.d_model=64 --set model.d_ff=128
+      --set model.n_layers=2 --set train.micro_batch=4 --set data.dir=data --set train.eval_tokens=2048
+      --set train.eval_every=10 --set train.checkpoint_every=10 --set optim.warmup_steps=5
+      --set train.log_every=1)
+"$DK" train --config "$SRC/configs/tiny.toml" "${SETS[@]}" --set train.steps=200 --run-dir whole --json >whole.json
+val=$(json '["val_loss"]' <whole.json)
+python3 -c "import sys,math; sys.exit(not ($val < math.log(512) - 1))" || fail "val loss $val did not fall"
+[ -f whole/checkpoints/step_00000200/model.safetensors ] || fail "final checkpoint"
+[ "$(wc -l <whole/metrics.jsonl)" -ge 200 ] || fail "metrics.jsonl"
+
+# eval --json on the final checkpoint equals the trainer's final evaluation.
+ev=$("$DK" eval --run-dir whole --json | json '["val_loss"]')
+[ "$ev" = "$val" ] || fail "eval $ev != train's final val $val"
+
+# SIGINT during a run: a checkpoint at the step reached, exit 130, then --resume finishes
+# with exactly the losses of the uninterrupted run.
+"$DK" train --config "$SRC/configs/tiny.toml" "${SETS[@]}" --set train.steps=200 --set train.checkpoint_every=0 \
+  --run-dir parts >/dev/null 2>parts.log &
+pid=$!
+for _ in $(seq 200); do [ -f parts/metrics.jsonl ] && [ "$(wc -l <parts/metrics.jsonl)" -ge 3 ] && break; sleep 0.05; done
+kill -INT $pid
+rc=0; wait $pid || rc=$?
+[ $rc -eq 130 ] || { cat parts.log; fail "SIGINT exit code $rc, expected 130"; }
+step=$(cat parts/checkpoints/latest)
+[ -n "$step" ] || fail "no checkpoint written on SIGINT"
+"$DK" train --resume --run-dir parts --json >parts.json 2>/dev/null
+python3 - whole/metrics.jsonl parts/metrics.jsonl <<'PY' || fail "resumed losses differ"
+import json, sys
+def losses(p):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(p)) if "loss" in j}
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+assert a == b, (a, b)
+PY
+[ "$(json '["val_loss"]' <parts.json)" = "$val" ] || fail "resumed final val loss differs"
+
+"$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --steps 3 --warmup 1 --json | json '["tokens_per_s"]' >/dev/null
+echo "cli_end_to_end: 1 passed, 0 failed"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Bad input to every command: a non-zero exit, exactly one line on stderr that names the
+# problem, no crash, and nothing half-written.
+set -uo pipefail
+DK=$1
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+cd "$TMP"
+failures=0; checks=0
+
+# expect_error EXPECTED_SUBSTRING -- ARGS...
+expect_error() {
+  local want=$1; shift; shift
+  checks=$((checks + 1))
+  "$DK" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$? lines
+  lines=$(wc -l <"$TMP/err")
+  if [ $rc -eq 0 ] || [ $rc -ge 128 ] || [ "$lines" -ne 1 ] || ! grep -qF -- "$want" "$TMP/err"; then
+    echo "FAIL: depthkit $* -> rc=$rc, $lines stderr lines, wanted '$want':"; cat "$TMP/err"
+    failures=$((failures + 1))
+  fi
+}
+
+printf '[model]\nn_layer = 3\n' >unknown.toml
+printf '[model]\nn_layers = "four"\n' >wrongtype.toml
+printf '[model\n' >syntax.toml
+mkdir -p badshards && head -c 2048 /dev/zero | tr '\0' 'g' >badshards/train_000000.bin && cp badshards/train_000000.bin badshards/val_000000.bin
+
+expect_error "unknown command 'frobnicate'" -- frobnicate
+expect_error "--nope"                  -- train --nope
+expect_error "missing.toml"            -- train --config missing.toml
+expect_error "unknown key 'model.n_layer'" -- params --config unknown.toml
+expect_error "'model.n_layers' must be an integer" -- params --config wrongtype.toml
+expect_error "syntax.toml:1"           -- params --config syntax.toml
+expect_error "'model.n_layers' must be in [1, 4096], got 0" -- params --config "$SRC/configs/tiny.toml" --set model.n_layers=0
+expect_error "unknown key 'model.bogus'" -- bench --config "$SRC/configs/tiny.toml" --set model.bogus=1
+expect_error "--steps"                 -- bench --config "$SRC/configs/tiny.toml" --steps 0
+expect_error "/nonexistent/input"      -- data prepare --input /nonexistent/input --out prepared
+[ -e prepared ] && { echo "FAIL: data prepare left 'prepared' behind"; failures=$((failures + 1)); }
+expect_error "--out"                   -- data prepare --input "$SRC/README.md"
+expect_error "data directory not found" -- train --config "$SRC/configs/tiny.toml" --set data.dir=nowhere --run-dir run1
+[ -e run1 ] && { echo "FAIL: train with bad data left run1 behind"; failures=$((failures + 1)); }
+expect_error "wrong magic"             -- train --config "$SRC/configs/tiny.toml" --set data.dir=badshards --run-dir run2
+[ -e run2 ] && { echo "FAIL: train with bad shards left run2 behind"; failures=$((failures + 1)); }
+expect_error "config.toml: not found"  -- eval --run-dir nowhere
+expect_error "--resume needs --run-dir" -- train --resume
+expect_error "--run-dir"               -- eval --json
+
+echo "cli_errors: $((checks - failures)) passed, $failures failed"
+[ $failures -eq 0 ]
