@@ -158,6 +158,19 @@ TEST_F(TrainTest, NonFiniteLossStopsAndKeepsLastCheckpoint) {
   EXPECT_EQ(read_file(last / "model.safetensors"), before);
 }
 
+TEST_F(TrainTest, GradientAccumulationMatchesTheLargerBatch) {
+  // Two micro-batches of 2 read the same 4 windows as one batch of 4: the same step up to
+  // float32 summation order.
+  TrainOptions big = options("big"), acc = options("acc");
+  big.config.train.steps = acc.config.train.steps = 4;
+  acc.config.train.micro_batch = 2;
+  acc.config.train.grad_accum = 2;
+  TrainResult a = train(big), b = train(acc);
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) EXPECT_NEAR(b.losses[i], a.losses[i], 1e-5 * a.losses[i]) << i;
+  EXPECT_NE(a.losses.front(), a.losses.back());
+}
+
 TEST_F(TrainTest, LossFallsOnLearnableData) {
   TrainOptions o = options("run");
   o.config.train.steps = 150;

@@ -34,7 +34,7 @@ int run_train(const TrainArgs& a) {
   }
   install_stop_signals();
   TrainResult r = train(opt);
-  if (r.interrupted) return 130;
+  if (r.interrupted) return 128 + (r.signal ? r.signal : 2);  // shell convention: 130 SIGINT, 143 SIGTERM
   nlohmann::json j = {{"run_dir", opt.run_dir.string()}, {"step", r.step}, {"train_loss", r.last_loss},
                       {"val_loss", r.val_loss}, {"val_ppl", std::exp(r.val_loss)}};
   const fs::path meta = fs::path(opt.config.data.dir) / "meta.json";

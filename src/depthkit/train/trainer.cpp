@@ -75,6 +75,14 @@ TrainResult train(const TrainOptions& opt) {
   // Open and check everything that can fail on bad input before anything is written.
   const int64_t total = cfg.total_steps();
   const int64_t T = cfg.model.seq_len;
+  const fs::path meta_path = fs::path(cfg.data.dir) / "meta.json";
+  if (fs::exists(meta_path)) {  // shards from `data prepare`: check the vocabulary up front
+    auto meta = nlohmann::json::parse(read_file(meta_path), nullptr, false);
+    if (meta.is_discarded()) fail(meta_path.string(), ": not valid JSON");
+    if (meta.contains("vocab_size") && meta["vocab_size"].get<int64_t>() > cfg.model.vocab_size)
+      fail(meta_path.string(), ": vocab_size ", meta["vocab_size"].get<int64_t>(),
+           " exceeds model.vocab_size ", cfg.model.vocab_size);
+  }
   TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
   TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
   auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
@@ -168,6 +176,7 @@ TrainResult train(const TrainOptions& opt) {
       bar.finish("interrupted");
       std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
       result.interrupted = true;
+      result.signal = g_stop_signal.load();
       result.step = st.step;
       return result;
     }

@@ -23,6 +23,7 @@ struct TrainResult {
   double last_loss = 0;        // training loss of the last step
   double val_loss = -1;        // final evaluation (-1: none)
   bool interrupted = false;    // stopped by a signal or stop_after
+  int signal = 0;              // the signal that stopped it, if any
   std::vector<double> losses;  // training loss of every step run in this call
 };
 
