@@ -1,0 +1,34 @@
+// Depth attention, the one primitive that AttnRes, DAR and MSAR are built from (DESIGN.md):
+// per token, over N sources with raw keys K_r and values V_r and one pseudo-query q,
+//
+//   a_r = q · Norm_h(K_r)            Norm_h: RMSNorm without weight, eps 1e-6   (DAR eq. 2, A.1)
+//   out = Σ_r softmax(a)_r V_r,  ζ = logsumexp_r a_r                           (eq. 3, 5, A.2–A.5)
+//
+// and the two-phase form: the completed sources are read first (`depth_read`), then the block's
+// partial candidate is merged exactly by online softmax (`merge_partial`, eq. A.6–A.10).
+// This file is the reference composition of ATen ops (autograd gives the backward).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace depthkit {
+
+constexpr double kKeyNormEps = 1e-6;
+
+// Weightless RMSNorm over the last dimension.
+at::Tensor key_norm(const at::Tensor& k, double eps = kKeyNormEps);
+
+struct DepthRead {
+  at::Tensor out;            // [..., d]: the retrieved state
+  at::Tensor log_partition;  // [...]:    ζ = logsumexp_r a_r
+};
+
+// keys, values: [N, ..., d] stacked sources; query: [d].
+DepthRead depth_read(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                     double eps = kKeyNormEps);
+
+// Adds one candidate (raw key, value: [..., d]) to a completed read: λ = σ(ζ − a_part),
+// h = λ·out + (1 − λ)·v_part (DAR eq. A.9–A.10). Equal to one softmax over all candidates.
+at::Tensor merge_partial(const DepthRead& history, const at::Tensor& query, const at::Tensor& key_part,
+                         const at::Tensor& value_part, double eps = kKeyNormEps);
+
+}  // namespace depthkit

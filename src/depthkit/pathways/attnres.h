@@ -1,0 +1,36 @@
+// Attention Residuals (DAR eq. 2–5; MSAR §3.1, §3.3), Full (block_sublayers S = 1) and Block.
+//
+// Sources: the token embedding (source 0), then one entry per completed block: with S = 1 each
+// branch output (Full AttnRes, eq. 4), with S > 1 the sum of the block's branch outputs. Branch ℓ,
+// the i-th of its block, reads the completed sources by depth attention with its own pseudo-query
+// q_ℓ (keys = values = sources); for i > 1 the block's partial sum is one more candidate, merged
+// by online softmax (two-phase form). The last block may be shorter. The final hidden state is
+// read from all completed sources by a learned output query.
+//
+// Parameters: one query [d] per branch that has more than one candidate (every branch but the
+// first, which can only see the embedding) and the output query: L_b · d. All start at zero
+// (uniform retrieval).
+#pragma once
+#include <vector>
+
+#include "depthkit/pathways/pathway.h"
+
+namespace depthkit {
+
+class AttnRes final : public ResidualPathway {
+ public:
+  AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params);
+  std::string kind() const override { return "attnres"; }
+  std::unique_ptr<PathwayState> begin(const at::Tensor& embedding) override;
+  at::Tensor read(PathwayState& state, int64_t branch) override;
+  void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
+  at::Tensor finish(PathwayState& state) override;
+
+ private:
+  int64_t block_;     // S
+  int64_t branches_;  // L_b
+  std::vector<at::Tensor> query_;  // [L_b + 1]; query_[ℓ] for ℓ ≥ 2, query_[0], query_[1] unused
+  at::Tensor out_query_;
+};
+
+}  // namespace depthkit
