@@ -44,7 +44,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
-      {"residual", "kind", &r.kind, -kInf, kInf, {"residual"}},
+      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres"}},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"data", "dir", &c.data.dir},
       {"train", "micro_batch", &t.micro_batch, 1, 1 << 20},

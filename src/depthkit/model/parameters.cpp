@@ -8,8 +8,8 @@
 
 namespace depthkit {
 
-ParameterStore::ParameterStore(at::Device device, uint64_t seed)
-    : device_(device), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+ParameterStore::ParameterStore(at::Device device, uint64_t seed, at::ScalarType dtype)
+    : device_(device), dtype_(dtype), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
 
 at::Tensor ParameterStore::add(const std::string& name, const std::string& component,
                                at::IntArrayRef shape, Init init, double std) {
@@ -17,7 +17,7 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
     if (p.name == name) fail("parameter '", name, "' registered twice");
   at::Tensor t;
   if (device_.is_meta()) {
-    t = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(at::kMeta));
+    t = at::empty(shape, at::TensorOptions().dtype(dtype_).device(at::kMeta));
   } else {
     t = at::empty(shape, at::kFloat);
     switch (init) {
@@ -25,7 +25,7 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
       case Init::Ones: t.fill_(1.0); break;
       case Init::Zeros: t.zero_(); break;
     }
-    t = t.to(device_);
+    t = t.to(device_, dtype_);
   }
   t.set_requires_grad(true);
   params_.push_back({name, component, t, shape.size() >= 2});

@@ -22,11 +22,11 @@ struct Parameter {
 
 class ParameterStore {
  public:
-  ParameterStore(at::Device device, uint64_t seed);
-  // Creates, initialises (float32, on the CPU generator) and registers a parameter.
+  // dtype: float32 for training; float64 for the tests that compare against the papers' equations.
+  ParameterStore(at::Device device, uint64_t seed, at::ScalarType dtype = at::kFloat);
+  // Creates, initialises (drawn in float32 on the CPU generator, then cast) and registers a parameter.
   at::Tensor add(const std::string& name, const std::string& component, at::IntArrayRef shape,
                  Init init, double std = 0.0);
-  // Registers an existing parameter under a second name (tied embeddings count once).
   const std::vector<Parameter>& all() const { return params_; }
   at::Tensor get(const std::string& name) const;
   int64_t count(const std::string& component = "") const;
@@ -38,6 +38,7 @@ class ParameterStore {
 
  private:
   at::Device device_;
+  at::ScalarType dtype_;
   at::Generator gen_;
   std::vector<Parameter> params_;
 };

@@ -9,8 +9,8 @@
 namespace depthkit {
 
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
-                         uint64_t seed)
-    : cfg_(model), params_(device, seed) {
+                         uint64_t seed, at::ScalarType dtype)
+    : cfg_(model), params_(device, seed, dtype) {
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
   embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {

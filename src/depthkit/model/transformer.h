@@ -22,7 +22,8 @@ struct ParameterCounts {
 class Transformer {
  public:
   // device kMeta builds shapes only (for counting); seed fixes the initialisation.
-  Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed);
+  Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed,
+              at::ScalarType dtype = at::kFloat);
 
   at::Tensor logits(const at::Tensor& tokens);  // int64 [B, T] → float [B, T, V]
   at::Tensor loss(const at::Tensor& batch);     // int64 [B, T+1] → mean next-token cross-entropy

@@ -1,5 +1,6 @@
 #include "depthkit/pathways/pathway.h"
 
+#include "depthkit/pathways/attnres.h"
 #include "depthkit/pathways/residual.h"
 #include "depthkit/util/error.h"
 
@@ -8,6 +9,7 @@ namespace depthkit {
 std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,
                                               ParameterStore& params) {
   if (residual.kind == "residual") return std::make_unique<StandardResidual>();
+  if (residual.kind == "attnres") return std::make_unique<AttnRes>(residual, model, params);
   fail("residual.kind: unknown pathway \"", residual.kind, "\"");
 }
 
