@@ -15,6 +15,7 @@
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
 
+#include <array>
 #include <cmath>
 
 #include "depthkit/model/transformer.h"
@@ -113,6 +114,82 @@ Trace reference_attnres(const at::Tensor& e, const std::vector<at::Tensor>& W, c
       for (const auto& s : sources) cand.push_back(s[b][t]);
       rows.push_back(retrieve(out_query, cand, cand));
     }
+  tr.hidden = at::stack(rows).view({B, T, -1});
+  return tr;
+}
+
+
+// DAR (eq. 6–18, routing eq. 22), token by token. Parameters are read from the store by name.
+struct DarParams {
+  std::vector<at::Tensor> q0, q1, wa, ba, wb, bb, wr, br;  // index ℓ
+  at::Tensor out_q0, out_q1;
+};
+
+std::pair<int, int> dar_route(const std::string& routing, int j) {
+  if (routing == "self") return {j, j};
+  if (routing == "cross_value") return {j, 1 - j};
+  if (routing == "fixed") return {0, 1};
+  return {1 - j, j};
+}
+
+// Norm([x; y]) for one token: weightless RMSNorm of the 2d concatenation.
+at::Tensor joint(const at::Tensor& x, const at::Tensor& y) { return norm_h(at::cat({x, y})); }
+
+at::Tensor logistic(const at::Tensor& x) { return 1.0 / (1.0 + (-x).exp()); }
+
+Trace reference_dar(const at::Tensor& e, const std::vector<at::Tensor>& W, const DarParams& P, int64_t S,
+                    const std::string& routing) {
+  const int64_t B = e.size(0), T = e.size(1), L = W.size();
+  std::vector<std::array<at::Tensor, 2>> H = {{e, e}};  // H_0 = [e, e] (eq. 6)
+  std::array<at::Tensor, 2> part;
+  Trace tr;
+  auto read = [&](int j, const at::Tensor& q, int64_t b, int64_t t, bool with_partial) {
+    auto [kj, vj] = dar_route(routing, j);
+    std::vector<at::Tensor> keys, values;
+    for (const auto& h : H) {
+      keys.push_back(h[kj][b][t]);
+      values.push_back(h[vj][b][t]);
+    }
+    if (with_partial) {
+      keys.push_back(part[kj][b][t]);
+      values.push_back(part[vj][b][t]);
+    }
+    return retrieve(q, keys, values);  // eq. 10–12
+  };
+  for (int64_t l = 1; l <= L; ++l) {
+    const int64_t i = (l - 1) % S + 1;
+    std::vector<at::Tensor> h_rows, beta_rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        at::Tensor h0 = read(0, P.q0[l], b, t, i > 1), h1 = read(1, P.q1[l], b, t, i > 1);
+        at::Tensor hbar = joint(h0, h1);                                     // eq. 13
+        at::Tensor alpha = logistic(at::matmul(P.wa[l], hbar) + P.ba[l]);     // eq. 14
+        beta_rows.push_back(2.0 * logistic(at::matmul(P.wb[l], hbar) + P.bb[l]));
+        h_rows.push_back(alpha[0] * h0 + alpha[1] * h1);                     // eq. 15
+      }
+    at::Tensor h = at::stack(h_rows).view({B, T, -1});
+    tr.inputs.push_back(h);
+    at::Tensor out = branch(h, W[l - 1]);
+    std::vector<at::Tensor> p0_rows, p1_rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        at::Tensor beta = beta_rows[b * T + t], u = out[b][t];
+        at::Tensor w0 = beta[0] * u, w1 = beta[1] * u;  // β ⊗ f (eq. 7)
+        if (i == 1) {
+          p0_rows.push_back(w0);
+          p1_rows.push_back(w1);
+        } else {  // eq. 16–17
+          at::Tensor rho = logistic(at::matmul(P.wr[l], joint(part[0][b][t], part[1][b][t])) + P.br[l])[0];
+          p0_rows.push_back(rho * part[0][b][t] + (1.0 - rho) * part[1][b][t] + w0);
+          p1_rows.push_back((1.0 - rho) * part[0][b][t] + rho * part[1][b][t] + w1);
+        }
+      }
+    part = {at::stack(p0_rows).view({B, T, -1}), at::stack(p1_rows).view({B, T, -1})};
+    if (i == S || l == L) H.push_back(part);  // eq. 18
+  }
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) rows.push_back(read(0, P.out_q0, b, t, false) + read(1, P.out_q1, b, t, false));
   tr.hidden = at::stack(rows).view({B, T, -1});
   return tr;
 }
@@ -217,10 +294,113 @@ TEST(AttnRes, ParameterCounts) {
   }
 }
 
+
+TEST(Dar, EqualsTheEquations) {
+  struct Case {
+    int64_t n_layers, S, T;
+    const char* routing;
+  };
+  for (Case c : {Case{3, 2, 5, "cross"}, Case{3, 4, 5, "cross"}, Case{3, 4, 1, "cross"}, Case{2, 8, 3, "cross"},
+                 Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"}}) {
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing));
+    ModelConfig m;
+    m.n_layers = c.n_layers;
+    m.d_model = 6;
+    ResidualConfig r;
+    r.kind = "dar";
+    r.block_sublayers = c.S;
+    r.routing = c.routing;
+    ParameterStore params(at::kCPU, 3, at::kDouble);
+    auto path = make_pathway(r, m, params);
+    randomize(params, 11 + c.S);
+    const int64_t L = m.n_branches();
+    auto g = gen(5);
+    at::Tensor e = at::randn({2, c.T, 6}, g, kF64).requires_grad_();
+    std::vector<at::Tensor> W;
+    for (int64_t l = 0; l < L; ++l) W.push_back((at::randn({6, 6}, g, kF64) * 0.6).requires_grad_());
+    Trace mod = drive(*path, e, W);
+
+    auto leaf = [&](const std::string& name) { return params.get(name).detach().clone().requires_grad_(); };
+    at::Tensor e2 = e.detach().clone().requires_grad_();
+    std::vector<at::Tensor> W2;
+    for (auto& w : W) W2.push_back(w.detach().clone().requires_grad_());
+    DarParams P;
+    for (auto* v : {&P.q0, &P.q1, &P.wa, &P.ba, &P.wb, &P.bb, &P.wr, &P.br}) v->resize(L + 1);
+    for (int64_t l = 1; l <= L; ++l) {
+      const std::string p = cat("residual.", l, ".");
+      P.q0[l] = leaf(p + "q0");
+      P.q1[l] = leaf(p + "q1");
+      P.wa[l] = leaf(p + "alpha.weight");
+      P.ba[l] = leaf(p + "alpha.bias");
+      P.wb[l] = leaf(p + "beta.weight");
+      P.bb[l] = leaf(p + "beta.bias");
+      if ((l - 1) % c.S != 0) {
+        P.wr[l] = leaf(p + "rho.weight");
+        P.br[l] = leaf(p + "rho.bias");
+      }
+    }
+    P.out_q0 = leaf("residual.out.q0");
+    P.out_q1 = leaf("residual.out.q1");
+    Trace ref = reference_dar(e2, W2, P, c.S, c.routing);
+
+    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(mod.inputs[l], ref.inputs[l], cat("h_", l + 1)));
+    EXPECT_TRUE(close(mod.hidden, ref.hidden, "final hidden"));
+    scalar_loss(mod, 9).backward();
+    scalar_loss(ref, 9).backward();
+    EXPECT_TRUE(close(e.grad(), e2.grad(), "d embedding"));
+    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(W[l].grad(), W2[l].grad(), cat("d W_", l + 1)));
+    for (int64_t l = 1; l <= L; ++l) {
+      const std::string p = cat("residual.", l, ".");
+      EXPECT_TRUE(close(params.get(p + "q0").grad(), P.q0[l].grad(), p + "q0"));
+      EXPECT_TRUE(close(params.get(p + "q1").grad(), P.q1[l].grad(), p + "q1"));
+      EXPECT_TRUE(close(params.get(p + "alpha.weight").grad(), P.wa[l].grad(), p + "alpha.weight"));
+      EXPECT_TRUE(close(params.get(p + "alpha.bias").grad(), P.ba[l].grad(), p + "alpha.bias"));
+      EXPECT_TRUE(close(params.get(p + "beta.weight").grad(), P.wb[l].grad(), p + "beta.weight"));
+      EXPECT_TRUE(close(params.get(p + "beta.bias").grad(), P.bb[l].grad(), p + "beta.bias"));
+      if (P.wr[l].defined()) {
+        EXPECT_TRUE(close(params.get(p + "rho.weight").grad(), P.wr[l].grad(), p + "rho.weight"));
+        EXPECT_TRUE(close(params.get(p + "rho.bias").grad(), P.br[l].grad(), p + "rho.bias"));
+      }
+    }
+    EXPECT_TRUE(close(params.get("residual.out.q0").grad(), P.out_q0.grad(), "out.q0"));
+    EXPECT_TRUE(close(params.get("residual.out.q1").grad(), P.out_q1.grad(), "out.q1"));
+  }
+}
+
+TEST(Dar, BlockOfOneBranchIsRejectedWithTheReason) {
+  expect_error([] { Config::parse("[residual]\nkind = \"dar\"\nblock_sublayers = 1\n[train]\nsteps = 1\n", "x.toml"); },
+               {"x.toml", "'residual.block_sublayers'", "collinear", "eq. 19-20"});
+  expect_error([] { Config::parse("[residual]\nkind = \"dar\"\nrouting = \"diagonal\"\n[train]\nsteps = 1\n", "x.toml"); },
+               {"'residual.routing'", "\"cross\", \"self\", \"cross_value\", \"fixed\""});
+}
+
+TEST(Dar, StartsCloseToAttnResBlock) {
+  // At initialisation α ≈ (½, ½), β ≈ (1, 1), ρ ≈ 0.98 and both streams equal the AttnRes sums.
+  ModelConfig m;
+  m.n_layers = 2;
+  m.d_model = 16;
+  ResidualConfig dar_cfg, attn_cfg;
+  dar_cfg.kind = "dar";
+  attn_cfg.kind = "attnres";
+  dar_cfg.block_sublayers = attn_cfg.block_sublayers = 2;
+  ParameterStore dp(at::kCPU, 3, at::kDouble), ap(at::kCPU, 3, at::kDouble);
+  auto dar = make_pathway(dar_cfg, m, dp);
+  auto attn = make_pathway(attn_cfg, m, ap);
+  auto g = gen(5);
+  at::Tensor e = at::randn({2, 4, 16}, g, kF64);
+  std::vector<at::Tensor> W;
+  for (int l = 0; l < 4; ++l) W.push_back(at::randn({16, 16}, g, kF64) * 0.3);
+  at::NoGradGuard no_grad;
+  Trace a = drive(*dar, e, W), b = drive(*attn, e, W);
+  EXPECT_LT((a.hidden / 2 - b.hidden).abs().max().item<double>(), 0.05 * b.hidden.abs().max().item<double>());
+}
+
 std::vector<std::vector<std::string>> model_kinds() {
   return {{"residual.kind=residual"},
           {"residual.kind=attnres", "residual.block_sublayers=1"},
-          {"residual.kind=attnres", "residual.block_sublayers=3"}};
+          {"residual.kind=attnres", "residual.block_sublayers=3"},
+          {"residual.kind=dar", "residual.block_sublayers=2"},
+          {"residual.kind=dar", "residual.block_sublayers=3"}};
 }
 
 TEST(Pathways, EveryKindIsCausal) {
@@ -252,14 +432,15 @@ TEST(Pathways, EveryKindTrains) {
   TempDir d;
   write_pattern_data(d.str("data"), 64, 6000, 1000);
   Progress::set_enabled(false);
+  int run = 0;
   for (const auto& sets : model_kinds()) {
-    SCOPED_TRACE(sets.front());
+    SCOPED_TRACE(sets.front() + " " + sets.back());
     TrainOptions o;
     o.config = Config::parse(small_config(d.str("data")).to_toml(), "small", sets);
     o.config.train.steps = 150;
     o.config.train.eval_every = 0;
     o.config.optim.lr = 1e-2;
-    o.run_dir = d.path / ("run-" + std::to_string(std::hash<std::string>()(sets.back())));
+    o.run_dir = d.path / ("run-" + std::to_string(run++));
     TrainResult r = train(o);
     EXPECT_NEAR(r.losses.front(), std::log(64.0), 0.2);
     EXPECT_LT(r.val_loss, std::log(64.0) - 1.0);

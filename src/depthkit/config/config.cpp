@@ -44,8 +44,9 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
-      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres"}},
+      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres", "dar"}},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
+      {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
       {"data", "dir", &c.data.dir},
       {"train", "micro_batch", &t.micro_batch, 1, 1 << 20},
       {"train", "grad_accum", &t.grad_accum, 1, 1 << 20},
@@ -150,6 +151,9 @@ void validate(const Config& c, const std::string& where) {
          ") is not divisible by model.n_heads (", m.n_heads, ")");
   if (m.resolved_head_dim() % 2 != 0)
     fail(where, ": key 'model.head_dim' must be even for RoPE, got ", m.resolved_head_dim());
+  if (c.residual.kind == "dar" && c.residual.block_sublayers == 1)
+    fail(where, ": key 'residual.block_sublayers' = 1 is degenerate for DAR: a one-branch block stores "
+         "beta (x) f(h), two collinear streams (DAR eq. 19-20); use 2 (Full DAR, one layer) or more");
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.optim.min_lr > c.optim.lr)

@@ -29,6 +29,7 @@ struct ModelConfig {
 struct ResidualConfig {
   std::string kind = "residual";
   int64_t block_sublayers = 2;  // S: branches per block (block forms of the depth pathways)
+  std::string routing = "cross";  // DAR key/value routing (DAR eq. 22): cross | self | cross_value | fixed
 };
 
 struct DataConfig {

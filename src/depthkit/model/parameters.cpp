@@ -12,7 +12,7 @@ ParameterStore::ParameterStore(at::Device device, uint64_t seed, at::ScalarType 
     : device_(device), dtype_(dtype), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
 
 at::Tensor ParameterStore::add(const std::string& name, const std::string& component,
-                               at::IntArrayRef shape, Init init, double std) {
+                               at::IntArrayRef shape, Init init, double scale) {
   for (const auto& p : params_)
     if (p.name == name) fail("parameter '", name, "' registered twice");
   at::Tensor t;
@@ -21,7 +21,8 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
   } else {
     t = at::empty(shape, at::kFloat);
     switch (init) {
-      case Init::Normal: t.normal_(0.0, std, gen_); break;
+      case Init::Normal: t.normal_(0.0, scale, gen_); break;
+      case Init::Constant: t.fill_(scale); break;
       case Init::Ones: t.fill_(1.0); break;
       case Init::Zeros: t.zero_(); break;
     }

@@ -11,7 +11,7 @@
 
 namespace depthkit {
 
-enum class Init { Normal, Ones, Zeros };
+enum class Init { Normal, Ones, Zeros, Constant };
 
 struct Parameter {
   std::string name;
@@ -25,8 +25,9 @@ class ParameterStore {
   // dtype: float32 for training; float64 for the tests that compare against the papers' equations.
   ParameterStore(at::Device device, uint64_t seed, at::ScalarType dtype = at::kFloat);
   // Creates, initialises (drawn in float32 on the CPU generator, then cast) and registers a parameter.
+  // `scale`: the standard deviation for Init::Normal, the value for Init::Constant.
   at::Tensor add(const std::string& name, const std::string& component, at::IntArrayRef shape,
-                 Init init, double std = 0.0);
+                 Init init, double scale = 0.0);
   const std::vector<Parameter>& all() const { return params_; }
   at::Tensor get(const std::string& name) const;
   int64_t count(const std::string& component = "") const;

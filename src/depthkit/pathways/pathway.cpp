@@ -1,6 +1,7 @@
 #include "depthkit/pathways/pathway.h"
 
 #include "depthkit/pathways/attnres.h"
+#include "depthkit/pathways/dar.h"
 #include "depthkit/pathways/residual.h"
 #include "depthkit/util/error.h"
 
@@ -10,6 +11,7 @@ std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, co
                                               ParameterStore& params) {
   if (residual.kind == "residual") return std::make_unique<StandardResidual>();
   if (residual.kind == "attnres") return std::make_unique<AttnRes>(residual, model, params);
+  if (residual.kind == "dar") return std::make_unique<Dar>(residual, model, params);
   fail("residual.kind: unknown pathway \"", residual.kind, "\"");
 }
 

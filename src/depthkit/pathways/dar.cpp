@@ -1,0 +1,117 @@
+#include "depthkit/pathways/dar.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
+
+#include "depthkit/model/parameters.h"
+#include "depthkit/ops/depth_attention.h"
+
+namespace depthkit {
+
+namespace {
+
+struct DualHistory final : PathwayState {
+  std::vector<at::Tensor> h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
+  at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
+  at::Tensor beta;                 // β_ℓ of the last read, [B, T, 2], used by its write
+};
+DualHistory& dual(PathwayState& s) { return static_cast<DualHistory&>(s); }
+
+// The (key, value) streams that output stream j reads under a routing rule (DAR eq. 22).
+std::pair<int, int> route(const std::string& routing, int j) {
+  if (routing == "self") return {j, j};             // DAR-SelfKV
+  if (routing == "cross_value") return {j, 1 - j};  // DAR-CrossV
+  if (routing == "fixed") return {0, 1};            // DAR-FixedKV
+  return {1 - j, j};                                // DAR: cross-stream key, self-stream value (eq. 10)
+}
+
+// Retrieved state of stream j over the completed entries and, if defined, the partial (eq. 11–12),
+// in the two-phase form: completed read, then the online-softmax merge (eq. A.1–A.10).
+at::Tensor read_stream(const std::string& routing, int j, const at::Tensor& q, const at::Tensor (&completed)[2],
+                       const at::Tensor& p0, const at::Tensor& p1) {
+  auto [kj, vj] = route(routing, j);
+  DepthRead hist = depth_read(q, completed[kj], completed[vj]);
+  if (!p0.defined()) return hist.out;
+  const at::Tensor* part[2] = {&p0, &p1};
+  return merge_partial(hist, q, *part[kj], *part[vj]);
+}
+
+// Norm([x⁰; x¹]): weightless RMSNorm over the concatenated 2d features (eq. 13, 16).
+at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1) { return key_norm(at::cat({x0, x1}, -1)); }
+
+}  // namespace
+
+Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
+    : block_(residual.block_sublayers), branches_(model.n_branches()), routing_(residual.routing),
+      branch_(branches_ + 1) {
+  const int64_t d = model.d_model;
+  const double gate_std = 0.1 * model.init_std;
+  for (int64_t l = 1; l <= branches_; ++l) {
+    const std::string p = "residual." + std::to_string(l) + ".";
+    Branch& b = branch_[l];
+    b.q0 = params.add(p + "q0", "residual", {d}, Init::Zeros);
+    b.q1 = params.add(p + "q1", "residual", {d}, Init::Zeros);
+    b.w_alpha = params.add(p + "alpha.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
+    b.b_alpha = params.add(p + "alpha.bias", "residual", {2}, Init::Zeros);
+    b.w_beta = params.add(p + "beta.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
+    b.b_beta = params.add(p + "beta.bias", "residual", {2}, Init::Zeros);
+    if ((l - 1) % block_ != 0) {  // transport gate: only branches that find a partial state
+      b.w_rho = params.add(p + "rho.weight", "residual", {1, 2 * d}, Init::Zeros);
+      b.b_rho = params.add(p + "rho.bias", "residual", {1}, Init::Constant, kRhoBias);
+    }
+  }
+  out_q0_ = params.add("residual.out.q0", "residual", {d}, Init::Zeros);
+  out_q1_ = params.add("residual.out.q1", "residual", {d}, Init::Zeros);
+}
+
+std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
+  auto s = std::make_unique<DualHistory>();
+  s->h0.push_back(embedding);  // H_0 = [e, e]
+  s->h1.push_back(embedding);
+  return s;
+}
+
+at::Tensor Dar::read(PathwayState& state, int64_t l) {
+  DualHistory& s = dual(state);
+  const Branch& b = branch_[l];
+  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  at::Tensor h0 = read_stream(routing_, 0, b.q0, completed, s.p0, s.p1);
+  at::Tensor h1 = read_stream(routing_, 1, b.q1, completed, s.p0, s.p1);
+  at::Tensor hbar = joint_norm(h0, h1);                                  // eq. 13
+  at::Tensor alpha = at::sigmoid(at::linear(hbar, b.w_alpha, b.b_alpha));  // eq. 14
+  s.beta = 2.0 * at::sigmoid(at::linear(hbar, b.w_beta, b.b_beta));
+  return alpha.select(-1, 0).unsqueeze(-1) * h0 + alpha.select(-1, 1).unsqueeze(-1) * h1;  // eq. 15
+}
+
+void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
+  DualHistory& s = dual(state);
+  const Branch& b = branch_[l];
+  at::Tensor w0 = s.beta.select(-1, 0).unsqueeze(-1) * out;  // β ⊗ f(h) (eq. 7)
+  at::Tensor w1 = s.beta.select(-1, 1).unsqueeze(-1) * out;
+  if ((l - 1) % block_ == 0) {  // eq. 17, i = 1
+    s.p0 = w0;
+    s.p1 = w1;
+  } else {  // eq. 16–17: M(ρ) P^{i−1} + β ⊗ f(h)
+    at::Tensor rho = at::sigmoid(at::linear(joint_norm(s.p0, s.p1), b.w_rho, b.b_rho));
+    at::Tensor p0 = rho * s.p0 + (1.0 - rho) * s.p1 + w0;
+    at::Tensor p1 = (1.0 - rho) * s.p0 + rho * s.p1 + w1;
+    s.p0 = p0;
+    s.p1 = p1;
+  }
+  if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
+    s.h0.push_back(s.p0);
+    s.h1.push_back(s.p1);
+    s.p0 = s.p1 = at::Tensor();
+  }
+}
+
+at::Tensor Dar::finish(PathwayState& state) {
+  DualHistory& s = dual(state);
+  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  return read_stream(routing_, 0, out_q0_, completed, {}, {}) + read_stream(routing_, 1, out_q1_, completed, {}, {});
+}
+
+}  // namespace depthkit
