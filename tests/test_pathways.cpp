@@ -14,9 +14,12 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <array>
 #include <cmath>
+#include <functional>
+#include <map>
 
 #include "depthkit/model/transformer.h"
 #include "depthkit/ops/depth_attention.h"
@@ -83,41 +86,214 @@ at::Tensor retrieve(const at::Tensor& q, const std::vector<at::Tensor>& keys, co
   return h;
 }
 
-// AttnRes (DAR eq. 4–5; Block form: MSAR §3.3 with S branches per block). queries[ℓ] for
-// ℓ = 1 … L_b (ℓ = 1 has a single candidate, so its query does not matter).
-Trace reference_attnres(const at::Tensor& e, const std::vector<at::Tensor>& W, const std::vector<at::Tensor>& queries,
-                        const at::Tensor& out_query, int64_t S) {
-  const int64_t B = e.size(0), T = e.size(1), L = W.size();
-  std::vector<at::Tensor> sources = {e};  // v_0 = h_1, then completed blocks
-  at::Tensor partial;
+// A reference pathway written from the equations, stepped like the seam so that the hybrid can
+// combine two of them.
+struct Reference {
+  virtual ~Reference() = default;
+  virtual at::Tensor read(int64_t l) = 0;
+  virtual void write(int64_t l, const at::Tensor& out) = 0;
+  virtual at::Tensor finish() = 0;
+};
+
+Trace run(Reference& ref, const std::vector<at::Tensor>& W) {
   Trace tr;
-  for (int64_t l = 1; l <= L; ++l) {
-    const int64_t i = (l - 1) % S + 1;  // position in the block
-    std::vector<at::Tensor> rows;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<at::Tensor> cand;
-        for (const auto& s : sources) cand.push_back(s[b][t]);
-        if (i > 1) cand.push_back(partial[b][t]);  // eq. 9: the block's partial after its first branch
-        rows.push_back(retrieve(queries[l], cand, cand));
-      }
-    at::Tensor h = at::stack(rows).view({B, T, -1});
-    tr.inputs.push_back(h);
-    at::Tensor out = branch(h, W[l - 1]);
-    partial = i == 1 ? out : partial + out;
-    if (i == S || l == L) sources.push_back(partial);  // block summary: the sum of its outputs
+  for (int64_t l = 1; l <= int64_t(W.size()); ++l) {
+    tr.inputs.push_back(ref.read(l));
+    ref.write(l, branch(tr.inputs.back(), W[l - 1]));
   }
-  std::vector<at::Tensor> rows;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<at::Tensor> cand;
-      for (const auto& s : sources) cand.push_back(s[b][t]);
-      rows.push_back(retrieve(out_query, cand, cand));
-    }
-  tr.hidden = at::stack(rows).view({B, T, -1});
+  tr.hidden = ref.finish();
   return tr;
 }
 
+// AttnRes (DAR eq. 4–5; Block form: MSAR §3.3 with S branches per block), and with value maps
+// AttnRes + SepV (DAR eq. 21). queries[ℓ] for ℓ = 1 … L_b (ℓ = 1 has a single candidate).
+struct AttnResRef : Reference {
+  std::vector<at::Tensor> queries, maps;  // maps: empty, or W_{v,r} per source index r
+  at::Tensor out_query;
+  int64_t S, L, B, T;
+  std::vector<at::Tensor> sources;  // v_0 = h_1, then completed blocks
+  at::Tensor partial;
+
+  AttnResRef(const at::Tensor& e, int64_t S_, int64_t L_) : S(S_), L(L_), B(e.size(0)), T(e.size(1)), sources{e} {}
+  at::Tensor value(int64_t r, const at::Tensor& v) const { return maps.empty() ? v : at::matmul(maps[r], v); }
+  at::Tensor gather(const at::Tensor& q, bool with_partial) {
+    std::vector<at::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<at::Tensor> keys, values;
+        for (size_t r = 0; r < sources.size(); ++r) {
+          keys.push_back(sources[r][b][t]);
+          values.push_back(value(r, sources[r][b][t]));
+        }
+        if (with_partial) {  // eq. 9: the block's partial after its first branch
+          keys.push_back(partial[b][t]);
+          values.push_back(value(sources.size(), partial[b][t]));
+        }
+        rows.push_back(retrieve(q, keys, values));
+      }
+    return at::stack(rows).view({B, T, -1});
+  }
+  at::Tensor read(int64_t l) override { return gather(queries[l], (l - 1) % S > 0); }
+  void write(int64_t l, const at::Tensor& out) override {
+    partial = (l - 1) % S == 0 ? out : partial + out;
+    if (l % S == 0 || l == L) sources.push_back(partial);  // block summary: the sum of its outputs
+  }
+  at::Tensor finish() override { return gather(out_query, false); }
+};
+
+at::Tensor logistic(const at::Tensor& x) { return 1.0 / (1.0 + (-x).exp()); }
+
+// mHC (MSAR eq. 4–5 with DESIGN.md's parameterisation), token by token.
+struct MhcRef : Reference {
+  std::vector<at::Tensor> phi, bias, scale;  // per ℓ
+  int64_t m, iters, B, T;
+  std::vector<at::Tensor> X;                 // m streams [B, T, d]
+  std::vector<at::Tensor> post, res;         // per token, from the last read
+  MhcRef(const at::Tensor& e, int64_t m_, int64_t iters_) : m(m_), iters(iters_), B(e.size(0)), T(e.size(1)), X(m_, e) {}
+  at::Tensor read(int64_t l) override {
+    post.clear();
+    res.clear();
+    std::vector<at::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<at::Tensor> xs;
+        for (const auto& x : X) xs.push_back(x[b][t]);
+        at::Tensor x = at::cat(xs);                       // flatten: [x_1; …; x_m]
+        at::Tensor proj = at::matmul(phi[l], x) / at::sqrt((x * x).mean() + 1e-6);
+        std::vector<at::Tensor> logit;
+        for (int64_t k = 0; k < m * m + 2 * m; ++k) {
+          at::Tensor a = k < m ? scale[l][0] : k < 2 * m ? scale[l][1] : scale[l][2];
+          logit.push_back(a * proj[k] + bias[l][k]);
+        }
+        std::vector<at::Tensor> pre;
+        for (int64_t i = 0; i < m; ++i) pre.push_back(logistic(logit[i]));
+        std::vector<at::Tensor> po;
+        for (int64_t i = 0; i < m; ++i) po.push_back(2.0 * logistic(logit[m + i]));
+        post.push_back(at::stack(po));
+        // Sinkhorn–Knopp on exp(logits): rows, then columns, `iters` times.
+        std::vector<std::vector<at::Tensor>> H(m, std::vector<at::Tensor>(m));
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < m; ++j) H[i][j] = logit[2 * m + i * m + j].exp();
+        for (int64_t it = 0; it < iters; ++it) {
+          for (int64_t i = 0; i < m; ++i) {
+            at::Tensor sum = H[i][0];
+            for (int64_t j = 1; j < m; ++j) sum = sum + H[i][j];
+            for (int64_t j = 0; j < m; ++j) H[i][j] = H[i][j] / sum;
+          }
+          for (int64_t j = 0; j < m; ++j) {
+            at::Tensor sum = H[0][j];
+            for (int64_t i = 1; i < m; ++i) sum = sum + H[i][j];
+            for (int64_t i = 0; i < m; ++i) H[i][j] = H[i][j] / sum;
+          }
+        }
+        std::vector<at::Tensor> flat;
+        for (auto& row : H) flat.push_back(at::stack(row));
+        res.push_back(at::stack(flat));
+        at::Tensor h = pre[0] * xs[0];
+        for (int64_t i = 1; i < m; ++i) h = h + pre[i] * xs[i];  // eq. 4
+        rows.push_back(h);
+      }
+    return at::stack(rows).view({B, T, -1});
+  }
+  void write(int64_t, const at::Tensor& out) override {
+    std::vector<std::vector<at::Tensor>> next(m);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        const at::Tensor& Hres = res[b * T + t];
+        for (int64_t j = 0; j < m; ++j) {
+          at::Tensor x = post[b * T + t][j] * out[b][t];  // eq. 5
+          for (int64_t i = 0; i < m; ++i) x = x + Hres[i][j] * X[i][b][t];
+          next[j].push_back(x);
+        }
+      }
+    for (int64_t j = 0; j < m; ++j) X[j] = at::stack(next[j]).view({B, T, -1});
+  }
+  at::Tensor finish() override {
+    at::Tensor sum = X[0];
+    for (int64_t i = 1; i < m; ++i) sum = sum + X[i];
+    return sum;
+  }
+};
+
+// AttnRes + mHC (MSAR Table 2 row 4): readouts summed, outputs written to both.
+struct HybridRef : Reference {
+  AttnResRef& a;
+  MhcRef& h;
+  HybridRef(AttnResRef& a_, MhcRef& h_) : a(a_), h(h_) {}
+  at::Tensor read(int64_t l) override { return a.read(l) + h.read(l); }
+  void write(int64_t l, const at::Tensor& out) override {
+    a.write(l, out);
+    h.write(l, out);
+  }
+  at::Tensor finish() override { return a.finish() + h.finish(); }
+};
+
+// MSAR (eq. 9–17, banks per Appendix C), token by token.
+struct MsarRef : Reference {
+  std::vector<at::Tensor> queries, w_pre, b_pre, a_pre;  // per ℓ; w_pre empty for mean fusion
+  std::vector<std::vector<at::Tensor>> banks;             // banks[k][r − 1]: [d, κ]; empty: no conv
+  int64_t m, S, L, B, T;
+  std::vector<std::pair<at::Tensor, int64_t>> sources;    // (summary, bank)
+  at::Tensor partial, last_in, last_out;
+  MsarRef(const at::Tensor& e, int64_t m_, int64_t S_, int64_t L_)
+      : m(m_), S(S_), L(L_), B(e.size(0)), T(e.size(1)), sources{{e, 0}} {}
+  // eq. 10: v⁽ʳ⁾_t = Σ_δ c_{r,δ} ⊙ v_{t−δ}, zero before the sequence start.
+  std::vector<at::Tensor> expand(const at::Tensor& v, int64_t bank) const {
+    std::vector<at::Tensor> out = {v};
+    for (int64_t r = 1; r < m; ++r) {
+      if (banks.empty()) {
+        out.push_back(v);
+        continue;
+      }
+      const at::Tensor& c = banks[bank][r - 1];
+      std::vector<at::Tensor> rows;
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          at::Tensor acc = at::zeros({v.size(2)}, kF64);
+          for (int64_t delta = 0; delta < c.size(1) && t - delta >= 0; ++delta)
+            acc = acc + c.select(1, delta) * v[b][t - delta];
+          rows.push_back(acc);
+        }
+      out.push_back(at::stack(rows).view({B, T, -1}));
+    }
+    return out;
+  }
+  at::Tensor read(int64_t l) override {
+    std::vector<std::vector<at::Tensor>> expanded;
+    for (const auto& [v, bank] : sources) expanded.push_back(expand(v, bank));
+    const bool with_partial = (l - 1) % S > 0;
+    if (with_partial) expanded.push_back(expand(partial, l - 1));  // the partial uses bank ℓ−1
+    std::vector<at::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<at::Tensor> z;
+        for (int64_t r = 0; r < m; ++r) {  // eq. 11–12, 17
+          std::vector<at::Tensor> cand;
+          for (const auto& e : expanded) cand.push_back(e[r][b][t]);
+          z.push_back(retrieve(queries[l][r], cand, cand));
+        }
+        at::Tensor h;
+        if (w_pre.empty()) {  // mean fusion
+          h = z[0];
+          for (int64_t r = 1; r < m; ++r) h = h + z[r];
+          h = h / double(m);
+        } else {  // eq. 13–14
+          at::Tensor H = logistic(a_pre[l][0] * at::matmul(w_pre[l], norm_h(at::cat(z))) + b_pre[l]);
+          h = H[0] * z[0];
+          for (int64_t r = 1; r < m; ++r) h = h + H[r] * z[r];
+        }
+        rows.push_back(h);
+      }
+    last_in = at::stack(rows).view({B, T, -1});
+    return last_in;
+  }
+  void write(int64_t l, const at::Tensor& out) override {
+    last_out = out;
+    partial = (l - 1) % S == 0 ? out : partial + out;  // eq. 16
+    if ((l % S == 0 || l == L) && l < L) sources.push_back({partial, l});  // eq. 15, bank of its last branch
+  }
+  at::Tensor finish() override { return last_in + last_out; }  // residual merge of the last branch
+};
 
 // DAR (eq. 6–18, routing eq. 22), token by token. Parameters are read from the store by name.
 struct DarParams {
@@ -134,8 +310,6 @@ std::pair<int, int> dar_route(const std::string& routing, int j) {
 
 // Norm([x; y]) for one token: weightless RMSNorm of the 2d concatenation.
 at::Tensor joint(const at::Tensor& x, const at::Tensor& y) { return norm_h(at::cat({x, y})); }
-
-at::Tensor logistic(const at::Tensor& x) { return 1.0 / (1.0 + (-x).exp()); }
 
 Trace reference_dar(const at::Tensor& e, const std::vector<at::Tensor>& W, const DarParams& P, int64_t S,
                     const std::string& routing) {
@@ -218,51 +392,176 @@ TEST(DepthAttention, TwoPhaseEqualsOneSoftmax) {
   }
 }
 
+using Leaf = std::function<at::Tensor(const std::string&)>;
+using MakeReference = std::function<std::unique_ptr<Reference>(const at::Tensor& e, const Leaf& leaf)>;
+
+// Builds the pathway in float64, sets every parameter to random values, runs it and the reference
+// on the same embedding and branches, and compares every branch input, the final hidden state and
+// the gradients of the embedding, the branch weights and every pathway parameter. The reference
+// reads its parameters through `leaf` (copies of the module's values); every one must be read.
+void check_against_reference(const ResidualConfig& r, int64_t n_layers, int64_t T, const MakeReference& make_ref) {
+  ModelConfig m;
+  m.n_layers = n_layers;
+  m.d_model = 6;
+  ParameterStore params(at::kCPU, 3, at::kDouble);
+  auto path = make_pathway(r, m, params);
+  randomize(params, 4 + r.block_sublayers);
+  const int64_t L = m.n_branches();
+  auto g = gen(5);
+  at::Tensor e = at::randn({2, T, 6}, g, kF64).requires_grad_();
+  std::vector<at::Tensor> W;
+  for (int64_t l = 0; l < L; ++l) W.push_back((at::randn({6, 6}, g, kF64) * 0.6).requires_grad_());
+  Trace mod = drive(*path, e, W);
+
+  std::map<std::string, at::Tensor> leaves;
+  Leaf leaf = [&](const std::string& name) {
+    auto it = leaves.find(name);
+    if (it == leaves.end()) it = leaves.emplace(name, params.get(name).detach().clone().requires_grad_()).first;
+    return it->second;
+  };
+  at::Tensor e2 = e.detach().clone().requires_grad_();
+  std::vector<at::Tensor> W2;
+  for (auto& w : W) W2.push_back(w.detach().clone().requires_grad_());
+  auto ref = make_ref(e2, leaf);
+  Trace expect = run(*ref, W2);
+  EXPECT_EQ(leaves.size(), params.all().size()) << "the reference must read every parameter";
+
+  for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(mod.inputs[l], expect.inputs[l], cat("h_", l + 1)));
+  EXPECT_TRUE(close(mod.hidden, expect.hidden, "final hidden"));
+  scalar_loss(mod, 9).backward();
+  scalar_loss(expect, 9).backward();
+  EXPECT_TRUE(close(e.grad(), e2.grad(), "d embedding"));
+  for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(W[l].grad(), W2[l].grad(), cat("d W_", l + 1)));
+  for (const auto& [name, t] : leaves) {
+    at::Tensor g_mod = params.get(name).grad();
+    EXPECT_TRUE(close(g_mod.defined() ? g_mod : at::zeros_like(t), t.grad().defined() ? t.grad() : at::zeros_like(t),
+                      "d " + name));
+  }
+}
+
+ResidualConfig residual(const std::string& kind, int64_t S) {
+  ResidualConfig r;
+  r.kind = kind;
+  r.block_sublayers = S;
+  return r;
+}
+
+std::unique_ptr<AttnResRef> attnres_ref(const at::Tensor& e, const Leaf& leaf, int64_t S, int64_t L,
+                                        const std::string& prefix, bool sepv) {
+  auto ref = std::make_unique<AttnResRef>(e, S, L);
+  ref->queries.resize(L + 1);
+  ref->queries[1] = at::zeros({e.size(2)}, kF64);
+  for (int64_t l = 2; l <= L; ++l) ref->queries[l] = leaf(cat(prefix, ".query.", l));
+  ref->out_query = leaf(prefix + ".out_query");
+  if (sepv)
+    for (int64_t r = 0; r <= (L + S - 1) / S; ++r) ref->maps.push_back(leaf(cat(prefix, ".value_map.", r)));
+  return ref;
+}
+
+std::unique_ptr<MhcRef> mhc_ref(const at::Tensor& e, const Leaf& leaf, int64_t m, int64_t L, const std::string& prefix) {
+  auto ref = std::make_unique<MhcRef>(e, m, 20);
+  ref->phi.resize(L + 1);
+  ref->bias.resize(L + 1);
+  ref->scale.resize(L + 1);
+  for (int64_t l = 1; l <= L; ++l) {
+    ref->phi[l] = leaf(cat(prefix, ".", l, ".phi"));
+    ref->bias[l] = leaf(cat(prefix, ".", l, ".bias"));
+    ref->scale[l] = leaf(cat(prefix, ".", l, ".scale"));
+  }
+  return ref;
+}
+
 struct PathwayCase {
   int64_t n_layers, S, T;
 };
+const PathwayCase kBlockCases[] = {{3, 1, 5}, {3, 2, 5}, {3, 4, 5}, {3, 6, 1}, {2, 8, 5}, {3, 4, 1}};
 
 TEST(AttnRes, EqualsTheEquations) {
-  for (PathwayCase c : {PathwayCase{3, 1, 5}, PathwayCase{3, 2, 5}, PathwayCase{3, 4, 5}, PathwayCase{3, 6, 1},
-                        PathwayCase{2, 8, 5}, PathwayCase{3, 4, 1}}) {
+  for (PathwayCase c : kBlockCases) {
     SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
-    ModelConfig m;
-    m.n_layers = c.n_layers;
-    m.d_model = 6;
-    ResidualConfig r;
-    r.kind = "attnres";
-    r.block_sublayers = c.S;
-    ParameterStore params(at::kCPU, 3, at::kDouble);
-    auto path = make_pathway(r, m, params);
-    randomize(params, 4 + c.S);
-    const int64_t L = m.n_branches();
-    EXPECT_EQ(params.count("residual"), L * m.d_model);
+    check_against_reference(residual("attnres", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+      return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", false);
+    });
+  }
+}
 
-    auto g = gen(5);
-    at::Tensor e = at::randn({2, c.T, 6}, g, kF64).requires_grad_();
-    std::vector<at::Tensor> W;
-    for (int64_t l = 0; l < L; ++l) W.push_back((at::randn({6, 6}, g, kF64) * 0.6).requires_grad_());
-    Trace mod = drive(*path, e, W);
+TEST(AttnResSepV, EqualsTheEquations) {
+  for (PathwayCase c : kBlockCases) {
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
+    check_against_reference(residual("attnres_sepv", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+      return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", true);
+    });
+  }
+}
 
-    // The reference gets its own leaves with the same values.
-    at::Tensor e2 = e.detach().clone().requires_grad_();
-    std::vector<at::Tensor> W2, q2(L + 1);
-    for (auto& w : W) W2.push_back(w.detach().clone().requires_grad_());
-    q2[1] = at::zeros({6}, kF64);
-    for (int64_t l = 2; l <= L; ++l) q2[l] = params.get(cat("residual.query.", l)).detach().clone().requires_grad_();
-    at::Tensor out_q2 = params.get("residual.out_query").detach().clone().requires_grad_();
-    Trace ref = reference_attnres(e2, W2, q2, out_q2, c.S);
+TEST(Mhc, EqualsTheEquations) {
+  for (int64_t m : {1, 2, 4}) {
+    for (int64_t T : {1, 4}) {
+      SCOPED_TRACE(cat("m ", m, " T ", T));
+      ResidualConfig r = residual("mhc", 1);
+      r.streams = m;
+      check_against_reference(r, 2, T, [&](const at::Tensor& e, const Leaf& leaf) {
+        return mhc_ref(e, leaf, m, 4, "residual");
+      });
+    }
+  }
+}
 
-    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(mod.inputs[l], ref.inputs[l], cat("h_", l + 1)));
-    EXPECT_TRUE(close(mod.hidden, ref.hidden, "final hidden"));
+TEST(AttnResMhc, EqualsTheEquations) {
+  for (PathwayCase c : {PathwayCase{2, 1, 3}, PathwayCase{3, 4, 3}}) {
+    SCOPED_TRACE(cat("S ", c.S));
+    std::unique_ptr<AttnResRef> a;
+    std::unique_ptr<MhcRef> h;
+    check_against_reference(residual("attnres_mhc", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+      a = attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual.attnres", false);
+      h = mhc_ref(e, leaf, 4, 2 * c.n_layers, "residual.mhc");
+      return std::make_unique<HybridRef>(*a, *h);
+    });
+  }
+}
 
-    scalar_loss(mod, 9).backward();
-    scalar_loss(ref, 9).backward();
-    EXPECT_TRUE(close(e.grad(), e2.grad(), "d embedding"));
-    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(W[l].grad(), W2[l].grad(), cat("d W_", l + 1)));
-    for (int64_t l = 2; l <= L; ++l)
-      EXPECT_TRUE(close(params.get(cat("residual.query.", l)).grad(), q2[l].grad(), cat("d q_", l)));
-    EXPECT_TRUE(close(params.get("residual.out_query").grad(), out_q2.grad(), "d out_query"));
+std::unique_ptr<MsarRef> msar_ref(const at::Tensor& e, const Leaf& leaf, const ResidualConfig& r, int64_t L) {
+  auto ref = std::make_unique<MsarRef>(e, r.streams, r.block_sublayers, L);
+  ref->queries.resize(L + 1);
+  for (int64_t l = 1; l <= L; ++l) {
+    ref->queries[l] = leaf(cat("residual.", l, ".queries"));
+    if (r.fusion == "hpre") {
+      ref->w_pre.resize(L + 1);
+      ref->b_pre.resize(L + 1);
+      ref->a_pre.resize(L + 1);
+      ref->w_pre[l] = leaf(cat("residual.", l, ".pre.weight"));
+      ref->b_pre[l] = leaf(cat("residual.", l, ".pre.bias"));
+      ref->a_pre[l] = leaf(cat("residual.", l, ".pre.scale"));
+    }
+  }
+  if (r.conv)
+    for (int64_t k = 0; k < L; ++k) {
+      ref->banks.emplace_back();
+      for (int64_t s = 1; s < r.streams; ++s) ref->banks.back().push_back(leaf(cat("residual.bank.", k, ".conv", s)));
+    }
+  return ref;
+}
+
+TEST(Msar, EqualsTheEquations) {
+  struct Case {
+    int64_t n_layers, S, T, m;
+    std::vector<int64_t> kernels;
+    bool conv;
+    const char* fusion;
+  };
+  for (const Case& c : {Case{3, 1, 5, 4, {2, 3, 4}, true, "hpre"}, Case{3, 4, 5, 4, {2, 3, 4}, true, "hpre"},
+                        Case{3, 2, 1, 3, {2, 6}, true, "hpre"},  // T = 1, and T < the largest kernel below
+                        Case{2, 3, 4, 3, {3, 7}, true, "hpre"}, Case{3, 4, 4, 4, {2, 3, 4}, false, "hpre"},
+                        Case{3, 4, 4, 4, {2, 3, 4}, true, "mean"}, Case{2, 8, 3, 1, {}, true, "hpre"}}) {
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " m ", c.m, " conv ", c.conv, " ", c.fusion));
+    ResidualConfig r = residual("msar", c.S);
+    r.streams = c.m;
+    r.kernels = c.kernels;
+    r.conv = c.conv;
+    r.fusion = c.fusion;
+    check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+      return msar_ref(e, leaf, r, 2 * c.n_layers);
+    });
   }
 }
 
@@ -400,7 +699,12 @@ std::vector<std::vector<std::string>> model_kinds() {
           {"residual.kind=attnres", "residual.block_sublayers=1"},
           {"residual.kind=attnres", "residual.block_sublayers=3"},
           {"residual.kind=dar", "residual.block_sublayers=2"},
-          {"residual.kind=dar", "residual.block_sublayers=3"}};
+          {"residual.kind=dar", "residual.block_sublayers=3"},
+          {"residual.kind=msar", "residual.block_sublayers=1"},
+          {"residual.kind=msar", "residual.block_sublayers=4"},
+          {"residual.kind=mhc", "residual.streams=4"},
+          {"residual.kind=attnres_sepv", "residual.block_sublayers=2"},
+          {"residual.kind=attnres_mhc", "residual.block_sublayers=2"}};
 }
 
 TEST(Pathways, EveryKindIsCausal) {

@@ -17,7 +17,7 @@ namespace {
 // One declared key: where it lives, the field it fills and what values it accepts.
 struct Field {
   std::string section, key;
-  std::variant<int64_t*, double*, bool*, std::string*> target;
+  std::variant<int64_t*, double*, bool*, std::string*, std::vector<int64_t>*> target;
   double min = -std::numeric_limits<double>::infinity();
   double max = std::numeric_limits<double>::infinity();
   std::vector<std::string> choices = {};  // for strings; empty: any
@@ -44,9 +44,14 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
-      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres", "dar"}},
+      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres", "dar", "msar", "mhc", "attnres_sepv", "attnres_mhc"}},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
+      {"residual", "streams", &r.streams, 1, 64},
+      {"residual", "kernels", &r.kernels, 1, 4096},
+      {"residual", "conv", &r.conv},
+      {"residual", "fusion", &r.fusion, -kInf, kInf, {"hpre", "mean"}},
+      {"residual", "sinkhorn_iters", &r.sinkhorn_iters, 1, 1000},
       {"data", "dir", &c.data.dir},
       {"train", "micro_batch", &t.micro_batch, 1, 1 << 20},
       {"train", "grad_accum", &t.grad_accum, 1, 1 << 20},
@@ -119,6 +124,17 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
           auto v = n.value_exact<bool>();
           if (!v) bad("true or false");
           *p = *v;
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          const toml::array* arr = n.as_array();
+          if (!arr) bad("an array of integers");
+          std::vector<int64_t> out;
+          for (const auto& el : *arr) {
+            auto v = el.value_exact<int64_t>();
+            if (!v) fail(where, ": key '", f.path(), "' must be an array of integers, got an element ", describe(el));
+            check_range(double(*v));
+            out.push_back(*v);
+          }
+          *p = out;
         } else {
           auto v = n.value_exact<std::string>();
           if (!v) bad("a string");
@@ -154,6 +170,10 @@ void validate(const Config& c, const std::string& where) {
   if (c.residual.kind == "dar" && c.residual.block_sublayers == 1)
     fail(where, ": key 'residual.block_sublayers' = 1 is degenerate for DAR: a one-branch block stores "
          "beta (x) f(h), two collinear streams (DAR eq. 19-20); use 2 (Full DAR, one layer) or more");
+  const auto& r = c.residual;
+  if (r.kind == "msar" && r.conv && int64_t(r.kernels.size()) != r.streams - 1)
+    fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
+         r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.optim.min_lr > c.optim.lr)
@@ -222,7 +242,18 @@ std::string Config::to_toml() const {
   for (const auto& f : fields(copy)) {
     if (!root.contains(f.section)) root.insert(f.section, toml::table{});
     auto* sec = root.get_as<toml::table>(f.section);
-    std::visit([&](auto* p) { sec->insert(f.key, *p); }, f.target);
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+            toml::array arr;
+            for (int64_t v : *p) arr.push_back(v);
+            sec->insert(f.key, arr);
+          } else {
+            sec->insert(f.key, *p);
+          }
+        },
+        f.target);
   }
   std::ostringstream os;
   os << root << "\n";

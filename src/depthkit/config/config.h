@@ -30,6 +30,11 @@ struct ResidualConfig {
   std::string kind = "residual";
   int64_t block_sublayers = 2;  // S: branches per block (block forms of the depth pathways)
   std::string routing = "cross";  // DAR key/value routing (DAR eq. 22): cross | self | cross_value | fixed
+  int64_t streams = 4;            // m: MSAR streams, mHC streams
+  std::vector<int64_t> kernels = {4, 8, 12};  // MSAR causal conv kernel sizes κ_1 … κ_{m−1}
+  bool conv = true;               // MSAR: false replicates each source into m identical streams
+  std::string fusion = "hpre";    // MSAR stream fusion: hpre (eq. 13–14) | mean
+  int64_t sinkhorn_iters = 20;    // mHC: Sinkhorn–Knopp iterations (row then column normalisation)
 };
 
 struct DataConfig {

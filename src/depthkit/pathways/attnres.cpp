@@ -1,6 +1,8 @@
 #include "depthkit/pathways/attnres.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
@@ -16,11 +18,21 @@ struct History final : PathwayState {
 History& history(PathwayState& s) { return static_cast<History&>(s); }
 }  // namespace
 
-AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
+AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
+                 const std::string& prefix)
     : block_(residual.block_sublayers), branches_(model.n_branches()), query_(branches_ + 1) {
   for (int64_t l = 2; l <= branches_; ++l)
-    query_[l] = params.add("residual.query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
-  out_query_ = params.add("residual.out_query", "residual", {model.d_model}, Init::Zeros);
+    query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
+  out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
+  if (residual.kind == "attnres_sepv") {
+    const int64_t d = model.d_model, n_sources = 1 + (branches_ + block_ - 1) / block_;
+    for (int64_t r = 0; r < n_sources; ++r) {
+      at::Tensor w = params.add(prefix + ".value_map." + std::to_string(r), "residual", {d, d}, Init::Zeros);
+      at::NoGradGuard no_grad;
+      if (!w.is_meta()) w.diagonal().fill_(1.0);  // identity: starts as AttnRes
+      value_maps_.push_back(w);
+    }
+  }
 }
 
 std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
@@ -29,14 +41,23 @@ std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
   return s;
 }
 
+at::Tensor AttnRes::values(const std::vector<at::Tensor>& sources) const {
+  if (value_maps_.empty()) return at::stack(sources);  // keys = values (eq. 4)
+  std::vector<at::Tensor> mapped;
+  for (size_t r = 0; r < sources.size(); ++r) mapped.push_back(at::linear(sources[r], value_maps_[r]));  // eq. 21
+  return at::stack(mapped);
+}
+
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
-  if (first_in_block && s.completed.size() == 1) return s.completed[0];  // one candidate: weight 1
-  at::Tensor sources = at::stack(s.completed);  // keys = values (eq. 4)
-  DepthRead hist = depth_read(query_[l], sources, sources);
+  if (first_in_block && s.completed.size() == 1)  // one candidate: its weight is 1
+    return value_maps_.empty() ? s.completed[0] : at::linear(s.completed[0], value_maps_[0]);
+  DepthRead hist = depth_read(query_[l], at::stack(s.completed), values(s.completed));
   if (first_in_block) return hist.out;  // eq. 9, i = 1: completed sources only
-  return merge_partial(hist, query_[l], s.partial, s.partial);
+  const at::Tensor v_part =
+      value_maps_.empty() ? s.partial : at::linear(s.partial, value_maps_[s.completed.size()]);
+  return merge_partial(hist, query_[l], s.partial, v_part);
 }
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
@@ -49,8 +70,8 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 }
 
 at::Tensor AttnRes::finish(PathwayState& state) {
-  at::Tensor sources = at::stack(history(state).completed);
-  return depth_read(out_query_, sources, sources).out;
+  const auto& completed = history(state).completed;
+  return depth_read(out_query_, at::stack(completed), values(completed)).out;
 }
 
 }  // namespace depthkit

@@ -10,6 +10,10 @@
 // Parameters: one query [d] per branch that has more than one candidate (every branch but the
 // first, which can only see the embedding) and the output query: L_b · d. All start at zero
 // (uniform retrieval).
+//
+// AttnRes + SepV (kind attnres_sepv, DAR eq. 21): source r's value is W_{v,r} v_r with its own
+// d × d map (keys stay Norm_h(v_r)); the block partial uses the map of the source it becomes.
+// 1 + ⌈L_b / S⌉ maps, initialised to the identity so the model starts as AttnRes.
 #pragma once
 #include <vector>
 
@@ -19,8 +23,10 @@ namespace depthkit {
 
 class AttnRes final : public ResidualPathway {
  public:
-  AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params);
-  std::string kind() const override { return "attnres"; }
+  // prefix: parameter names (residual.query.ℓ, residual.out_query); the hybrid passes its own.
+  AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
+          const std::string& prefix = "residual");
+  std::string kind() const override { return value_maps_.empty() ? "attnres" : "attnres_sepv"; }
   std::unique_ptr<PathwayState> begin(const at::Tensor& embedding) override;
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
@@ -31,6 +37,8 @@ class AttnRes final : public ResidualPathway {
   int64_t branches_;  // L_b
   std::vector<at::Tensor> query_;  // [L_b + 1]; query_[ℓ] for ℓ ≥ 2, query_[0], query_[1] unused
   at::Tensor out_query_;
+  std::vector<at::Tensor> value_maps_;  // attnres_sepv: [d, d] per source index; empty otherwise
+  at::Tensor values(const std::vector<at::Tensor>& sources) const;  // stacked (mapped) values
 };
 
 }  // namespace depthkit

@@ -1,0 +1,43 @@
+#include "depthkit/pathways/attnres_mhc.h"
+
+#include <ATen/TensorOperators.h>
+
+namespace depthkit {
+
+namespace {
+struct Both final : PathwayState {
+  std::unique_ptr<PathwayState> attnres, mhc;
+};
+Both& both(PathwayState& s) { return static_cast<Both&>(s); }
+
+ResidualConfig as(ResidualConfig c, const char* kind) {
+  c.kind = kind;
+  return c;
+}
+}  // namespace
+
+AttnResMhc::AttnResMhc(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
+    : attnres_(as(residual, "attnres"), model, params, "residual.attnres"),
+      mhc_(as(residual, "mhc"), model, params, "residual.mhc") {}
+
+std::unique_ptr<PathwayState> AttnResMhc::begin(const at::Tensor& embedding) {
+  auto s = std::make_unique<Both>();
+  s->attnres = attnres_.begin(embedding);
+  s->mhc = mhc_.begin(embedding);
+  return s;
+}
+
+at::Tensor AttnResMhc::read(PathwayState& state, int64_t l) {
+  return attnres_.read(*both(state).attnres, l) + mhc_.read(*both(state).mhc, l);
+}
+
+void AttnResMhc::write(PathwayState& state, int64_t l, const at::Tensor& out) {
+  attnres_.write(*both(state).attnres, l, out);
+  mhc_.write(*both(state).mhc, l, out);
+}
+
+at::Tensor AttnResMhc::finish(PathwayState& state) {
+  return attnres_.finish(*both(state).attnres) + mhc_.finish(*both(state).mhc);
+}
+
+}  // namespace depthkit

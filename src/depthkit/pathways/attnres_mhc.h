@@ -1,0 +1,25 @@
+// AttnRes + mHC (MSAR Table 2, row 4): both states are kept side by side, the AttnRes history of
+// completed sources and mHC's m recurrent streams; each branch reads the sum of the two readouts
+// and its output is written to both; the final hidden state is the sum of AttnRes's output read
+// and mHC's stream sum. Parameters: those of both (names residual.attnres.*, residual.mhc.*).
+#pragma once
+#include "depthkit/pathways/attnres.h"
+#include "depthkit/pathways/mhc.h"
+
+namespace depthkit {
+
+class AttnResMhc final : public ResidualPathway {
+ public:
+  AttnResMhc(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params);
+  std::string kind() const override { return "attnres_mhc"; }
+  std::unique_ptr<PathwayState> begin(const at::Tensor& embedding) override;
+  at::Tensor read(PathwayState& state, int64_t branch) override;
+  void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
+  at::Tensor finish(PathwayState& state) override;
+
+ private:
+  AttnRes attnres_;
+  Mhc mhc_;
+};
+
+}  // namespace depthkit

@@ -1,0 +1,110 @@
+#include "depthkit/pathways/msar.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/conv1d.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
+
+#include "depthkit/model/parameters.h"
+#include "depthkit/ops/depth_attention.h"
+
+namespace depthkit {
+
+namespace {
+struct Sources final : PathwayState {
+  std::vector<at::Tensor> expanded;  // completed sources, already expanded: [m, B, T, d] each
+  at::Tensor partial;                // the current block's sum; undefined at block start
+  at::Tensor last_input;             // h_ℓ of the last read (for the final residual merge)
+  at::Tensor last_output;            // f_ℓ(h_ℓ) of the last write
+};
+Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
+}  // namespace
+
+Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
+    : block_(residual.block_sublayers), branches_(model.n_branches()), m_(residual.streams), conv_(residual.conv),
+      mean_fusion_(residual.fusion == "mean"), kernels_(residual.kernels), branch_(branches_ + 1), bank_(branches_) {
+  const int64_t d = model.d_model;
+  for (int64_t l = 1; l <= branches_; ++l) {
+    const std::string p = "residual." + std::to_string(l) + ".";
+    Branch& b = branch_[l];
+    b.queries = params.add(p + "queries", "residual", {m_, d}, Init::Zeros);
+    if (!mean_fusion_) {
+      b.w_pre = params.add(p + "pre.weight", "residual", {m_, m_ * d}, Init::Normal, model.init_std);
+      b.b_pre = params.add(p + "pre.bias", "residual", {m_}, Init::Zeros);
+      b.alpha_pre = params.add(p + "pre.scale", "residual", {1}, Init::Constant, kPreScale);
+    }
+  }
+  if (conv_)
+    for (int64_t k = 0; k < branches_; ++k)
+      for (int64_t r = 1; r < m_; ++r)
+        bank_[k].push_back(params.add("residual.bank." + std::to_string(k) + ".conv" + std::to_string(r), "residual",
+                                      {d, kernels_[r - 1]}, Init::Zeros));
+}
+
+at::Tensor Msar::expand(const at::Tensor& x, int64_t bank) const {
+  std::vector<at::Tensor> out = {x};  // stream 0: the identity
+  if (!conv_) {
+    for (int64_t r = 1; r < m_; ++r) out.push_back(x);  // ablation: replicated sources
+    return at::stack(out);
+  }
+  const int64_t T = x.size(1), d = x.size(2);
+  at::Tensor channels = x.transpose(1, 2);  // [B, d, T]
+  for (int64_t r = 1; r < m_; ++r) {
+    const at::Tensor& c = bank_[bank][r - 1];  // [d, κ], c[:, δ] weighs x_{t−δ} (eq. 10)
+    const int64_t k = c.size(1);
+    // conv1d correlates: out_t = Σ_j w_j x_{t−(κ−1)+j} after κ−1 zeros on the left, so w_j = c_{κ−1−j}.
+    at::Tensor padded = at::constant_pad_nd(channels, {k - 1, 0});
+    at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
+                              at::IntArrayRef{1}, d);
+    out.push_back(y.transpose(1, 2).narrow(1, 0, T));
+  }
+  return at::stack(out);
+}
+
+std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
+  auto s = std::make_unique<Sources>();
+  s->expanded.push_back(expand(embedding, 0));  // bank 0: the embedding
+  return s;
+}
+
+at::Tensor Msar::read(PathwayState& state, int64_t l) {
+  Sources& s = sources(state);
+  const Branch& b = branch_[l];
+  const bool first_in_block = (l - 1) % block_ == 0;
+  at::Tensor completed = at::stack(s.expanded, 1);  // [m, N, B, T, d]
+  at::Tensor part = first_in_block ? at::Tensor() : expand(s.partial, l - 1);  // bank ℓ−1
+  std::vector<at::Tensor> z;
+  for (int64_t r = 0; r < m_; ++r) {  // per-stream depth attention (eq. 11–12, 17)
+    at::Tensor q = b.queries[r];
+    DepthRead hist = depth_read(q, completed[r], completed[r]);
+    z.push_back(first_in_block ? hist.out : merge_partial(hist, q, part[r], part[r]));
+  }
+  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
+  if (mean_fusion_) {
+    s.last_input = Z.mean(-2);
+  } else {  // eq. 13–14
+    at::Tensor flat = key_norm(Z.flatten(-2));
+    at::Tensor pre = at::sigmoid(b.alpha_pre * at::linear(flat, b.w_pre) + b.b_pre);  // [B, T, m]
+    s.last_input = (pre.unsqueeze(-1) * Z).sum(-2);
+  }
+  return s.last_input;
+}
+
+void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
+  Sources& s = sources(state);
+  s.last_output = out;
+  s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;  // eq. 16
+  if (l % block_ == 0 || l == branches_) {                     // eq. 15: block complete
+    if (l < branches_) s.expanded.push_back(expand(s.partial, l));  // bank of its last branch
+    s.partial = at::Tensor();
+  }
+}
+
+at::Tensor Msar::finish(PathwayState& state) {
+  Sources& s = sources(state);
+  return s.last_input + s.last_output;  // residual merge of the last branch
+}
+
+}  // namespace depthkit

@@ -1,0 +1,55 @@
+// Multi-Stream Attention Residuals (MSAR paper eq. 9–17, Appendix C).
+//
+// Sources are single-stream, as in AttnRes: the embedding b_0, then each completed block's sum
+// of branch outputs (eq. 15; with S = 1 each branch output, Full MSAR). When a branch reads, each
+// source is expanded into m streams by causal depthwise convolutions (eq. 9–10):
+//   v⁽⁰⁾ = v,   v⁽ʳ⁾_t = Σ_{δ<κ_r} c_{r,δ} ⊙ v_{t−δ}   (zero before position 0), r = 1 … m−1,
+// and each stream r is read by depth attention with its own pseudo-query, keys = values = the
+// expanded sources (eq. 11–12, 17); the block's partial sum is merged for branches after the
+// first of a block (two-phase form). The m retrieved states Z are fused (eq. 13–14):
+//   H_pre = σ(α_pre · RMSNorm(flatten Z) W_pre + b_pre),   h_ℓ = Σ_r H_pre[r] z⁽ʳ⁾.
+// The final hidden state is the residual merge of the last branch, h_L + f_L(h_L) (§3.2).
+//
+// Convolution banks (Appendix C): bank 0 expands the embedding; a completed block uses the bank
+// of its last branch; the partial before branch ℓ uses bank ℓ−1. There are L_b banks (the last
+// output is never expanded). Parameters per branch: m·d queries, m²d + m + 1 for the fusion, and
+// d·Σκ for its bank: L_b[(m² + m + Σκ)d + m + 1] (eq. 20), L_b(44d + 5) for m = 4, κ = {4, 8, 12}.
+//
+// Ablations: conv = false (streams are replicas of the source, queries stay independent: no
+// bank parameters); fusion = "mean" (h = mean_r z⁽ʳ⁾: no W_pre, b_pre, α_pre).
+// Initialisation: queries 0, convolutions 0 (streams r ≥ 1 start empty), W_pre normal(0, init_std),
+// b_pre 0, α_pre 0.01.
+#pragma once
+#include <vector>
+
+#include "depthkit/pathways/pathway.h"
+
+namespace depthkit {
+
+class Msar final : public ResidualPathway {
+ public:
+  Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params);
+  std::string kind() const override { return "msar"; }
+  std::unique_ptr<PathwayState> begin(const at::Tensor& embedding) override;
+  at::Tensor read(PathwayState& state, int64_t branch) override;
+  void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
+  at::Tensor finish(PathwayState& state) override;
+
+  static constexpr double kPreScale = 0.01;
+
+  // The m streams of a source x [B, T, d] under bank `bank`: [m, B, T, d].
+  at::Tensor expand(const at::Tensor& x, int64_t bank) const;
+
+ private:
+  struct Branch {
+    at::Tensor queries;                   // [m, d]
+    at::Tensor w_pre, b_pre, alpha_pre;   // [m, md], [m], [1] (fusion = "hpre")
+  };
+  int64_t block_, branches_, m_;
+  bool conv_, mean_fusion_;
+  std::vector<int64_t> kernels_;
+  std::vector<Branch> branch_;                  // index ℓ
+  std::vector<std::vector<at::Tensor>> bank_;   // bank_[k][r − 1]: [d, κ_r], k = 0 … L_b − 1
+};
+
+}  // namespace depthkit
