@@ -29,11 +29,13 @@ at::Tensor Transformer::branch(int64_t l, const at::Tensor& h) const {
   return l % 2 == 1 ? attention_[layer].forward(h, *rope_) : feed_forward_[layer].forward(h);
 }
 
+at::Tensor Transformer::embed(const at::Tensor& tokens) const { return at::embedding(embedding_, tokens); }
+
 at::Tensor Transformer::logits(const at::Tensor& tokens) {
   if (!rope_) fail("model built on the meta device cannot run");
   if (tokens.size(1) > cfg_.seq_len)
     fail("sequence of ", tokens.size(1), " tokens exceeds model.seq_len ", cfg_.seq_len);
-  auto state = path_->begin(at::embedding(embedding_, tokens));
+  auto state = path_->begin(embed(tokens));
   for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
     auto h = path_->read(*state, l);
     path_->write(*state, l, branch(l, h));

@@ -32,9 +32,11 @@ class Transformer {
   const ModelConfig& config() const { return cfg_; }
   ResidualPathway& pathway() { return *path_; }
   ParameterCounts count() const;
+  // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
+  at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d]
+  at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
 
  private:
-  at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
   ModelConfig cfg_;
   ParameterStore params_;
   at::Tensor embedding_, final_norm_, lm_head_;

@@ -1,6 +1,8 @@
 #include "depthkit/pathways/dar.h"
 
 #include <ATen/TensorOperators.h>
+
+#include <cmath>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
@@ -48,7 +50,8 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
     : block_(residual.block_sublayers), branches_(model.n_branches()), routing_(residual.routing),
       branch_(branches_ + 1) {
   const int64_t d = model.d_model;
-  const double gate_std = 0.1 * model.init_std;
+  // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
+  const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
   for (int64_t l = 1; l <= branches_; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
     Branch& b = branch_[l];
@@ -112,6 +115,11 @@ at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
   const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
   return read_stream(routing_, 0, out_q0_, completed, {}, {}) + read_stream(routing_, 1, out_q1_, completed, {}, {});
+}
+
+std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {
+  DualHistory& s = dual(state);
+  return {s.h0.back(), s.h1.back()};
 }
 
 }  // namespace depthkit

@@ -75,4 +75,12 @@ void Mhc::write(PathwayState& state, int64_t, const at::Tensor& out) {
 
 at::Tensor Mhc::finish(PathwayState& state) { return streams(state).x.sum(2); }
 
+std::vector<at::Tensor> Mhc::stream_states(PathwayState& state) {
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < m_; ++i) out.push_back(streams(state).x.select(2, i));
+  return out;
+}
+
+at::Tensor Mhc::last_h_res(PathwayState& state) { return streams(state).h_res; }
+
 }  // namespace depthkit

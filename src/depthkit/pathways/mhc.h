@@ -32,6 +32,9 @@ class Mhc final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
+  std::vector<at::Tensor> stream_states(PathwayState& state) override;  // the m streams
+  // H_res of the last read, [B, T, m, m] (rows index the source stream i, columns the target j).
+  static at::Tensor last_h_res(PathwayState& state);
 
   static constexpr double kGateScale = 0.01;
 

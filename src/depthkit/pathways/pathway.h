@@ -11,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "depthkit/config/config.h"
 
@@ -35,6 +36,9 @@ class ResidualPathway {
   virtual void write(PathwayState& state, int64_t branch, const at::Tensor& out) = 0;
   // The hidden state handed to the final RMSNorm, [B, T, d].
   virtual at::Tensor finish(PathwayState& state) = 0;
+  // Observer: the pathway's current per-stream states, [B, T, d] each (the residual stream; DAR's
+  // newest completed entry [H⁰, H¹]; mHC's m streams). Empty where the pathway keeps no streams.
+  virtual std::vector<at::Tensor> stream_states(PathwayState& state) { return {}; }
 };
 
 // Builds the pathway named by residual.kind, registering its parameters (component "residual").

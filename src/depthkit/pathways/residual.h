@@ -11,6 +11,7 @@ class StandardResidual final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
+  std::vector<at::Tensor> stream_states(PathwayState& state) override { return {finish(state)}; }
 };
 
 }  // namespace depthkit
