@@ -49,5 +49,17 @@ expect_error "config.toml: not found"  -- eval --run-dir nowhere
 expect_error "--resume needs --run-dir" -- train --resume
 expect_error "--run-dir"               -- eval --json
 
+printf '1 2 3\n4 5\n' >ragged.txt
+printf '1 2 x\n' >word.txt
+printf '1 99999\n' >big.txt
+"$DK" init --config "$SRC/configs/tiny.toml" --set model.n_layers=1 --out ck >/dev/null 2>&1
+expect_error "ragged.txt:2: 2 ids, but the first sequence has 3" -- forward --checkpoint ck --tokens ragged.txt --out o.safetensors
+expect_error "word.txt:1: 'x' is not a token id" -- forward --checkpoint ck --tokens word.txt --out o.safetensors
+expect_error "token id 99999 is >= vocab_size 4096" -- forward --checkpoint ck --tokens big.txt --out o.safetensors
+[ -e o.safetensors ] && { echo "FAIL: forward left o.safetensors behind"; failures=$((failures + 1)); }
+expect_error "nothere: not a checkpoint" -- forward --checkpoint nothere --tokens big.txt --out o.safetensors
+expect_error "ck: already exists"      -- init --config "$SRC/configs/tiny.toml" --out ck
+expect_error "collinear"               -- init --config "$SRC/configs/tiny.toml" --set residual.kind=dar --set residual.block_sublayers=1 --out ck2
+
 echo "cli_errors: $((checks - failures)) passed, $failures failed"
 [ $failures -eq 0 ]

@@ -14,6 +14,8 @@ void add_eval(CLI::App& app, Action& action);
 void add_params(CLI::App& app, Action& action);
 void add_bench(CLI::App& app, Action& action);
 void add_info(CLI::App& app, Action& action);
+void add_init(CLI::App& app, Action& action);
+void add_forward(CLI::App& app, Action& action);
 
 // --set section.key=value, repeatable.
 inline CLI::Option* add_set_option(CLI::App* cmd, std::vector<std::string>& sets) {

@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   depthkit::cli::add_params(app, action);
   depthkit::cli::add_bench(app, action);
   depthkit::cli::add_info(app, action);
+  depthkit::cli::add_init(app, action);
+  depthkit::cli::add_forward(app, action);
   auto is_command = [&](const std::string& name) {
     for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;

@@ -43,12 +43,8 @@ void restore_rng_state(const std::string& hex, const std::string& source) {
   gen.set_state(s);
 }
 
-fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
-                         const TrainerState& st, int64_t keep) {
-  const fs::path root = run_dir / "checkpoints";
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
-  const fs::path final_dir = root / name, tmp = root / (std::string(name) + ".tmp");
+void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& st) {
+  const fs::path tmp = dir.string() + ".tmp";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   save_safetensors((tmp / "model.safetensors").string(), model.parameters().named(),
@@ -62,8 +58,17 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
                       {"config", st.config_toml}};
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
   fsync_path(tmp);
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);
-  rename_durable(tmp, final_dir);
+  if (fs::exists(dir)) fs::remove_all(dir);
+  rename_durable(tmp, dir);
+}
+
+fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
+                         const TrainerState& st, int64_t keep) {
+  const fs::path root = run_dir / "checkpoints";
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
+  const fs::path final_dir = root / name;
+  write_checkpoint_dir(final_dir, model, opt, st);
   write_file_atomic(root / "latest", std::string(name) + "\n");
   // Keep the newest `keep` checkpoints.
   std::vector<fs::path> all;
@@ -89,6 +94,12 @@ std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::stri
   fs::path p = root / latest;
   if (!fs::is_directory(p)) fail((root / "latest").string(), ": names missing checkpoint '", latest, "'");
   return p;
+}
+
+fs::path resolve_checkpoint(const std::string& path) {
+  if (fs::exists(fs::path(path) / "state.json")) return path;
+  if (fs::exists(fs::path(path) / "checkpoints" / "latest")) return *find_checkpoint(path);
+  fail(path, ": not a checkpoint (no state.json) nor a run directory with checkpoints");
 }
 
 Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {

@@ -30,6 +30,10 @@ struct TrainerState {
 
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
                          const TrainerState& state, int64_t keep);
+// Writes one checkpoint folder `dir` atomically (built as dir.tmp, then renamed over dir).
+void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& state);
+// A checkpoint folder, or a run directory (its latest checkpoint).
+fs::path resolve_checkpoint(const std::string& path);
 
 // The checkpoint `name` (e.g. "step_00000100") or, when empty, the latest one; nullopt if none.
 std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::string& name = "");

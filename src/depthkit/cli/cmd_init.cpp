@@ -1,0 +1,42 @@
+// depthkit init: a freshly initialised checkpoint (step 0), without training.
+#include <cstdio>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/train/optimizer.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit::cli {
+
+void add_init(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("init", "write a freshly initialised checkpoint");
+  struct Args {
+    std::string config, out;
+    std::vector<std::string> sets;
+    bool force = false;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--config", a->config, "TOML config")->required();
+  add_set_option(cmd, a->sets);
+  cmd->add_option("--out", a->out, "checkpoint folder to write (model.safetensors, optimizer.safetensors, state.json)")
+      ->required();
+  cmd->add_flag("--force", a->force, "replace an existing folder");
+  cmd->callback([&action, a] {
+    action = [a] {
+      Config cfg = Config::load(a->config, a->sets);
+      if (fs::exists(a->out) && !a->force) fail(a->out, ": already exists (pass --force to replace it)");
+      Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
+      AdamW opt(model.parameters(), cfg.optim);
+      TrainerState st;
+      st.seed = cfg.train.seed;
+      st.config_toml = cfg.to_toml();
+      write_checkpoint_dir(a->out, model, opt, st);
+      std::printf("wrote %s: %s, %lld parameters\n", a->out.c_str(), cfg.residual.kind.c_str(),
+                  (long long)model.count().total);
+      return 0;
+    };
+  });
+}
+
+}  // namespace depthkit::cli
