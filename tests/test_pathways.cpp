@@ -846,6 +846,29 @@ TEST(Mhc, SinkhornIsNonNegativeWithColumnsSummingToOne) {
   }
 }
 
+TEST(Mhc, ModuleResidualMixIsColumnStochastic) {
+  // Through the module in float32, with random parameters: H_res ≥ 0, columns sum to 1.
+  ModelConfig m;
+  m.n_layers = 2;
+  m.d_model = 16;
+  ResidualConfig r = residual("mhc", 1);
+  ParameterStore params(at::kCPU, 3, at::kFloat);
+  auto path = make_pathway(r, m, params);
+  randomize(params, 21);
+  auto g = gen(4);
+  at::Tensor e = at::randn({2, 5, 16}, g, at::TensorOptions().dtype(at::kFloat));
+  at::NoGradGuard no_grad;
+  auto state = path->begin(e);
+  for (int64_t l = 1; l <= 4; ++l) {
+    at::Tensor h = path->read(*state, l);
+    at::Tensor H = Mhc::last_h_res(*state);
+    EXPECT_EQ(H.sizes(), (std::vector<int64_t>{2, 5, 4, 4}));
+    EXPECT_GE(H.min().item<float>(), 0.0f);
+    EXPECT_LT((H.sum(-2) - 1).abs().max().item<float>(), 1e-6f) << "branch " << l;
+    path->write(*state, l, at::tanh(h));
+  }
+}
+
 TEST(Dar, TrainingBreaksTheStreamSymmetry) {
   // Streams that differ only by a positive factor per token are collinear (eq. 20). Starting near
   // symmetry, a few optimizer steps must make the completed entries' two streams point apart.
