@@ -58,21 +58,7 @@ TEST(Model, SeedFixesInitialisation) {
   EXPECT_NEAR(s_out, 0.02 / 2.0, 0.001);
 }
 
-TEST(Model, IsCausal) {
-  Config c = tiny_model();
-  Transformer m(c.model, c.residual, at::kCPU, 3);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
-  at::Tensor tokens = at::randint(c.model.vocab_size, {2, c.model.seq_len}, gen);
-  at::NoGradGuard no_grad;
-  at::Tensor base = m.logits(tokens);
-  for (int64_t t : {int64_t(0), int64_t(5), c.model.seq_len - 2}) {
-    at::Tensor changed = tokens.clone();
-    changed.select(1, t + 1).add_(1).remainder_(c.model.vocab_size);
-    at::Tensor out = m.logits(changed);
-    EXPECT_TRUE(at::allclose(out.narrow(1, 0, t + 1), base.narrow(1, 0, t + 1), 0, 1e-6)) << "position " << t;
-    EXPECT_FALSE(at::allclose(out.narrow(1, t + 1, 1), base.narrow(1, t + 1, 1), 0, 1e-6)) << "position " << t + 1;
-  }
-}
+// Causality of the backbone with every pathway: Pathways.EveryKindIsCausal (test_pathways.cpp).
 
 TEST(Model, OverfitsOneBatch) {
   Config c = tiny_model();

@@ -314,13 +314,16 @@ std::pair<int, int> dar_route(const std::string& routing, int j) {
 // Norm([x; y]) for one token: weightless RMSNorm of the 2d concatenation.
 at::Tensor joint(const at::Tensor& x, const at::Tensor& y) { return norm_h(at::cat({x, y})); }
 
-Trace reference_dar(const at::Tensor& e, const std::vector<at::Tensor>& W, const DarParams& P, int64_t S,
-                    const std::string& routing) {
-  const int64_t B = e.size(0), T = e.size(1), L = W.size();
-  std::vector<std::array<at::Tensor, 2>> H = {{e, e}};  // H_0 = [e, e] (eq. 6)
-  std::array<at::Tensor, 2> part;
-  Trace tr;
-  auto read = [&](int j, const at::Tensor& q, int64_t b, int64_t t, bool with_partial) {
+struct DarRef : Reference {
+  DarParams P;
+  int64_t S, L, B, T;
+  std::string routing;
+  std::vector<std::array<at::Tensor, 2>> H;  // completed entries; H_0 = [e, e] (eq. 6)
+  std::array<at::Tensor, 2> part;            // P^{i−1}
+  std::vector<at::Tensor> beta;              // per token, from the last read
+  DarRef(const at::Tensor& e, int64_t S_, int64_t L_, std::string routing_)
+      : S(S_), L(L_), B(e.size(0)), T(e.size(1)), routing(std::move(routing_)), H{{e, e}} {}
+  at::Tensor read_stream(int j, const at::Tensor& q, int64_t b, int64_t t, bool with_partial) const {
     auto [kj, vj] = dar_route(routing, j);
     std::vector<at::Tensor> keys, values;
     for (const auto& h : H) {
@@ -332,44 +335,48 @@ Trace reference_dar(const at::Tensor& e, const std::vector<at::Tensor>& W, const
       values.push_back(part[vj][b][t]);
     }
     return retrieve(q, keys, values);  // eq. 10–12
-  };
-  for (int64_t l = 1; l <= L; ++l) {
-    const int64_t i = (l - 1) % S + 1;
-    std::vector<at::Tensor> h_rows, beta_rows;
+  }
+  at::Tensor read(int64_t l) override {
+    const bool with_partial = (l - 1) % S > 0;
+    beta.clear();
+    std::vector<at::Tensor> rows;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t) {
-        at::Tensor h0 = read(0, P.q0[l], b, t, i > 1), h1 = read(1, P.q1[l], b, t, i > 1);
-        at::Tensor hbar = joint(h0, h1);                                     // eq. 13
-        at::Tensor alpha = logistic(at::matmul(P.wa[l], hbar) + P.ba[l]);     // eq. 14
-        beta_rows.push_back(2.0 * logistic(at::matmul(P.wb[l], hbar) + P.bb[l]));
-        h_rows.push_back(alpha[0] * h0 + alpha[1] * h1);                     // eq. 15
+        at::Tensor h0 = read_stream(0, P.q0[l], b, t, with_partial), h1 = read_stream(1, P.q1[l], b, t, with_partial);
+        at::Tensor hbar = joint(h0, h1);                                  // eq. 13
+        at::Tensor alpha = logistic(at::matmul(P.wa[l], hbar) + P.ba[l]);  // eq. 14
+        beta.push_back(2.0 * logistic(at::matmul(P.wb[l], hbar) + P.bb[l]));
+        rows.push_back(alpha[0] * h0 + alpha[1] * h1);                    // eq. 15
       }
-    at::Tensor h = at::stack(h_rows).view({B, T, -1});
-    tr.inputs.push_back(h);
-    at::Tensor out = branch(h, W[l - 1]);
-    std::vector<at::Tensor> p0_rows, p1_rows;
+    return at::stack(rows).view({B, T, -1});
+  }
+  void write(int64_t l, const at::Tensor& out) override {
+    const bool first = (l - 1) % S == 0;
+    std::vector<at::Tensor> p0, p1;
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0; t < T; ++t) {
-        at::Tensor beta = beta_rows[b * T + t], u = out[b][t];
-        at::Tensor w0 = beta[0] * u, w1 = beta[1] * u;  // β ⊗ f (eq. 7)
-        if (i == 1) {
-          p0_rows.push_back(w0);
-          p1_rows.push_back(w1);
+        const at::Tensor& be = beta[b * T + t];
+        at::Tensor w0 = be[0] * out[b][t], w1 = be[1] * out[b][t];  // β ⊗ f (eq. 7)
+        if (first) {
+          p0.push_back(w0);
+          p1.push_back(w1);
         } else {  // eq. 16–17
           at::Tensor rho = logistic(at::matmul(P.wr[l], joint(part[0][b][t], part[1][b][t])) + P.br[l])[0];
-          p0_rows.push_back(rho * part[0][b][t] + (1.0 - rho) * part[1][b][t] + w0);
-          p1_rows.push_back((1.0 - rho) * part[0][b][t] + rho * part[1][b][t] + w1);
+          p0.push_back(rho * part[0][b][t] + (1.0 - rho) * part[1][b][t] + w0);
+          p1.push_back((1.0 - rho) * part[0][b][t] + rho * part[1][b][t] + w1);
         }
       }
-    part = {at::stack(p0_rows).view({B, T, -1}), at::stack(p1_rows).view({B, T, -1})};
-    if (i == S || l == L) H.push_back(part);  // eq. 18
+    part = {at::stack(p0).view({B, T, -1}), at::stack(p1).view({B, T, -1})};
+    if (l % S == 0 || l == L) H.push_back(part);  // eq. 18
   }
-  std::vector<at::Tensor> rows;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) rows.push_back(read(0, P.out_q0, b, t, false) + read(1, P.out_q1, b, t, false));
-  tr.hidden = at::stack(rows).view({B, T, -1});
-  return tr;
-}
+  at::Tensor finish() override {
+    std::vector<at::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t)
+        rows.push_back(read_stream(0, P.out_q0, b, t, false) + read_stream(1, P.out_q1, b, t, false));
+    return at::stack(rows).view({B, T, -1});
+  }
+};
 
 // Randomises every parameter of the pathway (zeros hide bugs).
 void randomize(ParameterStore& params, uint64_t seed) {
@@ -605,67 +612,30 @@ TEST(Dar, EqualsTheEquations) {
   for (Case c : {Case{3, 2, 5, "cross"}, Case{3, 4, 5, "cross"}, Case{3, 4, 1, "cross"}, Case{2, 8, 3, "cross"},
                  Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"}}) {
     SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing));
-    ModelConfig m;
-    m.n_layers = c.n_layers;
-    m.d_model = 6;
-    ResidualConfig r;
-    r.kind = "dar";
-    r.block_sublayers = c.S;
+    ResidualConfig r = residual("dar", c.S);
     r.routing = c.routing;
-    ParameterStore params(at::kCPU, 3, at::kDouble);
-    auto path = make_pathway(r, m, params);
-    randomize(params, 11 + c.S);
-    const int64_t L = m.n_branches();
-    auto g = gen(5);
-    at::Tensor e = at::randn({2, c.T, 6}, g, kF64).requires_grad_();
-    std::vector<at::Tensor> W;
-    for (int64_t l = 0; l < L; ++l) W.push_back((at::randn({6, 6}, g, kF64) * 0.6).requires_grad_());
-    Trace mod = drive(*path, e, W);
-
-    auto leaf = [&](const std::string& name) { return params.get(name).detach().clone().requires_grad_(); };
-    at::Tensor e2 = e.detach().clone().requires_grad_();
-    std::vector<at::Tensor> W2;
-    for (auto& w : W) W2.push_back(w.detach().clone().requires_grad_());
-    DarParams P;
-    for (auto* v : {&P.q0, &P.q1, &P.wa, &P.ba, &P.wb, &P.bb, &P.wr, &P.br}) v->resize(L + 1);
-    for (int64_t l = 1; l <= L; ++l) {
-      const std::string p = cat("residual.", l, ".");
-      P.q0[l] = leaf(p + "q0");
-      P.q1[l] = leaf(p + "q1");
-      P.wa[l] = leaf(p + "alpha.weight");
-      P.ba[l] = leaf(p + "alpha.bias");
-      P.wb[l] = leaf(p + "beta.weight");
-      P.bb[l] = leaf(p + "beta.bias");
-      if ((l - 1) % c.S != 0) {
-        P.wr[l] = leaf(p + "rho.weight");
-        P.br[l] = leaf(p + "rho.bias");
+    const int64_t L = 2 * c.n_layers;
+    check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+      auto ref = std::make_unique<DarRef>(e, c.S, L, c.routing);
+      DarParams& P = ref->P;
+      for (auto* v : {&P.q0, &P.q1, &P.wa, &P.ba, &P.wb, &P.bb, &P.wr, &P.br}) v->resize(L + 1);
+      for (int64_t l = 1; l <= L; ++l) {
+        const std::string p = cat("residual.", l, ".");
+        P.q0[l] = leaf(p + "q0");
+        P.q1[l] = leaf(p + "q1");
+        P.wa[l] = leaf(p + "alpha.weight");
+        P.ba[l] = leaf(p + "alpha.bias");
+        P.wb[l] = leaf(p + "beta.weight");
+        P.bb[l] = leaf(p + "beta.bias");
+        if ((l - 1) % c.S != 0) {  // the transport gate exists where a partial state does
+          P.wr[l] = leaf(p + "rho.weight");
+          P.br[l] = leaf(p + "rho.bias");
+        }
       }
-    }
-    P.out_q0 = leaf("residual.out.q0");
-    P.out_q1 = leaf("residual.out.q1");
-    Trace ref = reference_dar(e2, W2, P, c.S, c.routing);
-
-    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(mod.inputs[l], ref.inputs[l], cat("h_", l + 1)));
-    EXPECT_TRUE(close(mod.hidden, ref.hidden, "final hidden"));
-    scalar_loss(mod, 9).backward();
-    scalar_loss(ref, 9).backward();
-    EXPECT_TRUE(close(e.grad(), e2.grad(), "d embedding"));
-    for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(close(W[l].grad(), W2[l].grad(), cat("d W_", l + 1)));
-    for (int64_t l = 1; l <= L; ++l) {
-      const std::string p = cat("residual.", l, ".");
-      EXPECT_TRUE(close(params.get(p + "q0").grad(), P.q0[l].grad(), p + "q0"));
-      EXPECT_TRUE(close(params.get(p + "q1").grad(), P.q1[l].grad(), p + "q1"));
-      EXPECT_TRUE(close(params.get(p + "alpha.weight").grad(), P.wa[l].grad(), p + "alpha.weight"));
-      EXPECT_TRUE(close(params.get(p + "alpha.bias").grad(), P.ba[l].grad(), p + "alpha.bias"));
-      EXPECT_TRUE(close(params.get(p + "beta.weight").grad(), P.wb[l].grad(), p + "beta.weight"));
-      EXPECT_TRUE(close(params.get(p + "beta.bias").grad(), P.bb[l].grad(), p + "beta.bias"));
-      if (P.wr[l].defined()) {
-        EXPECT_TRUE(close(params.get(p + "rho.weight").grad(), P.wr[l].grad(), p + "rho.weight"));
-        EXPECT_TRUE(close(params.get(p + "rho.bias").grad(), P.br[l].grad(), p + "rho.bias"));
-      }
-    }
-    EXPECT_TRUE(close(params.get("residual.out.q0").grad(), P.out_q0.grad(), "out.q0"));
-    EXPECT_TRUE(close(params.get("residual.out.q1").grad(), P.out_q1.grad(), "out.q1"));
+      P.out_q0 = leaf("residual.out.q0");
+      P.out_q1 = leaf("residual.out.q1");
+      return ref;
+    });
   }
 }
 
