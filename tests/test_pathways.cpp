@@ -504,6 +504,24 @@ TEST(AttnResSepV, EqualsTheEquations) {
   }
 }
 
+TEST(AttnResSepV, StartsAsAttnRes) {
+  // Identity value maps and zero queries: the same reads as AttnRes at initialisation.
+  ModelConfig m;
+  m.n_layers = 3;
+  m.d_model = 6;
+  ParameterStore sp(at::kCPU, 3, at::kDouble), ap(at::kCPU, 3, at::kDouble);
+  auto sepv = make_pathway(residual("attnres_sepv", 4), m, sp);
+  auto attn = make_pathway(residual("attnres", 4), m, ap);
+  auto g = gen(5);
+  at::Tensor e = at::randn({2, 3, 6}, g, kF64);
+  std::vector<at::Tensor> W;
+  for (int l = 0; l < 6; ++l) W.push_back(at::randn({6, 6}, g, kF64));
+  at::NoGradGuard no_grad;
+  Trace a = drive(*sepv, e, W), b = drive(*attn, e, W);
+  for (int l = 0; l < 6; ++l) EXPECT_TRUE(close(a.inputs[l], b.inputs[l], cat("h_", l + 1)));
+  EXPECT_TRUE(close(a.hidden, b.hidden, "final hidden"));
+}
+
 TEST(Mhc, EqualsTheEquations) {
   for (int64_t m : {1, 2, 4}) {
     for (int64_t T : {1, 4}) {

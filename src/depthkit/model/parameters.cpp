@@ -23,6 +23,7 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
     switch (init) {
       case Init::Normal: t.normal_(0.0, scale, gen_); break;
       case Init::Constant: t.fill_(scale); break;
+      case Init::Identity: t.zero_().diagonal().fill_(1.0); break;
       case Init::Ones: t.fill_(1.0); break;
       case Init::Zeros: t.zero_(); break;
     }

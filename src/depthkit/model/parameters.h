@@ -11,7 +11,7 @@
 
 namespace depthkit {
 
-enum class Init { Normal, Ones, Zeros, Constant };
+enum class Init { Normal, Ones, Zeros, Constant, Identity };  // Identity: square matrices
 
 struct Parameter {
   std::string name;

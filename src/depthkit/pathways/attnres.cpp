@@ -1,7 +1,6 @@
 #include "depthkit/pathways/attnres.h"
 
 #include <ATen/TensorOperators.h>
-#include <ATen/core/grad_mode.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/stack.h>
 
@@ -26,12 +25,8 @@ AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, Param
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
   if (residual.kind == "attnres_sepv") {
     const int64_t d = model.d_model, n_sources = 1 + (branches_ + block_ - 1) / block_;
-    for (int64_t r = 0; r < n_sources; ++r) {
-      at::Tensor w = params.add(prefix + ".value_map." + std::to_string(r), "residual", {d, d}, Init::Zeros);
-      at::NoGradGuard no_grad;
-      if (!w.is_meta()) w.diagonal().fill_(1.0);  // identity: starts as AttnRes
-      value_maps_.push_back(w);
-    }
+    for (int64_t r = 0; r < n_sources; ++r)  // identity maps: the model starts as AttnRes
+      value_maps_.push_back(params.add(prefix + ".value_map." + std::to_string(r), "residual", {d, d}, Init::Identity));
   }
 }
 
