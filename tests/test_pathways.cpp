@@ -495,6 +495,19 @@ TEST(AttnRes, EqualsTheEquations) {
   }
 }
 
+TEST(AttnRes, FusedEqualsTheEquations) {
+  for (PathwayCase c : kBlockCases) {
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
+    for (const char* kind : {"attnres", "attnres_sepv"}) {
+      ResidualConfig r = residual(kind, c.S);
+      r.impl = "fused";
+      check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+        return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", std::string(kind) == "attnres_sepv");
+      });
+    }
+  }
+}
+
 TEST(AttnResSepV, EqualsTheEquations) {
   for (PathwayCase c : kBlockCases) {
     SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
@@ -701,6 +714,7 @@ std::vector<std::vector<std::string>> model_kinds() {
   return {{"residual.kind=residual"},
           {"residual.kind=attnres", "residual.block_sublayers=1"},
           {"residual.kind=attnres", "residual.block_sublayers=3"},
+          {"residual.kind=attnres", "residual.block_sublayers=3", "residual.impl=fused"},
           {"residual.kind=dar", "residual.block_sublayers=2"},
           {"residual.kind=dar", "residual.block_sublayers=3"},
           {"residual.kind=msar", "residual.block_sublayers=1"},
@@ -817,6 +831,8 @@ TEST(Config, InvalidPathwayCombinationsNameTheKey) {
                {"'residual.sinkhorn_iters'"});
   expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
                {"'residual.fusion'", "\"hpre\", \"mean\""});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=dar", "residual.impl=fused"}); },
+               {"'residual.impl'", "not available for residual.kind \"dar\""});
   Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
   EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
   EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);

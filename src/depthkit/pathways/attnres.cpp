@@ -6,6 +6,7 @@
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/fused.h"
 
 namespace depthkit {
 
@@ -19,7 +20,8 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), query_(branches_ + 1) {
+    : block_(residual.block_sublayers), branches_(model.n_branches()), query_(branches_ + 1),
+      fused_(residual.impl == "fused") {
   for (int64_t l = 2; l <= branches_; ++l)
     query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
@@ -43,16 +45,31 @@ at::Tensor AttnRes::values(const std::vector<at::Tensor>& sources) const {
   return at::stack(mapped);
 }
 
+at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
+                                 const at::Tensor& key_part, const at::Tensor& value_part) const {
+  if (!fused_) {
+    DepthRead hist = depth_read(q, keys, vals);
+    return key_part.defined() ? merge_partial(hist, q, key_part, value_part) : hist.out;
+  }
+  const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
+  auto [out, lse] = fused::depth_read(q.unsqueeze(0), keys.reshape({N, B * T, d}), vals.reshape({N, B * T, d}),
+                                      kKeyNormEps);
+  at::Tensor h = key_part.defined() ? fused::depth_merge(out[0], lse[0], q, key_part.reshape({B * T, d}),
+                                                         value_part.reshape({B * T, d}), kKeyNormEps)
+                                    : out[0];
+  return h.view({B, T, d});
+}
+
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
   if (first_in_block && s.completed.size() == 1)  // one candidate: its weight is 1
     return value_maps_.empty() ? s.completed[0] : at::linear(s.completed[0], value_maps_[0]);
-  DepthRead hist = depth_read(query_[l], at::stack(s.completed), values(s.completed));
-  if (first_in_block) return hist.out;  // eq. 9, i = 1: completed sources only
+  at::Tensor keys = at::stack(s.completed), vals = values(s.completed);
+  if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
   const at::Tensor v_part =
       value_maps_.empty() ? s.partial : at::linear(s.partial, value_maps_[s.completed.size()]);
-  return merge_partial(hist, query_[l], s.partial, v_part);
+  return read_sources(query_[l], keys, vals, s.partial, v_part);
 }
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
@@ -66,7 +83,7 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   const auto& completed = history(state).completed;
-  return depth_read(out_query_, at::stack(completed), values(completed)).out;
+  return read_sources(out_query_, at::stack(completed), values(completed), {}, {});
 }
 
 }  // namespace depthkit

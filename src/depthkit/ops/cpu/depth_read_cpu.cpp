@@ -1,0 +1,234 @@
+// CPU kernels of the fused depth read (DAR eq. A.1–A.5) and online-softmax merge (A.6–A.10).
+//
+// Layout: queries q [M, d]; raw keys k and values v [N, P, d] (N sources, P = batch·tokens);
+// out [M, P, d]; ζ [M, P]. Parallel over tokens p; loops over d are plain and auto-vectorised;
+// accumulation in float32 (float64 for float64 inputs); bfloat16 storage is accepted.
+//
+// Forward, per token p: s_r = 1/√(mean_d k_r² + ε) once for all M targets; per target m an
+// online softmax over r: a_r = s_r (q_m · k_r), running max, shifted sum Z and numerator U;
+// out = U / Z, ζ = max + log Z. Nothing else is stored.
+//
+// Backward recomputes s_r and a_r from the raw keys and takes w_r = exp(a_r − ζ):
+//   g·out = Σ_r w_r (g·v_r),  ∂a_r = w_r (g·v_r − g·out) + ḡ_ζ w_r,
+//   ∂v_r += w_r g,  ∂q += ∂a_r s_r k_r,  ∂k_r += ∂a_r (s_r q − s_r³ (q·k_r) k_r / d).
+#include "depthkit/ops/cpu/depth_read_cpu.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit::cpu {
+
+namespace {
+
+template <class acc_t, class scalar_t>
+acc_t dot(const scalar_t* a, const scalar_t* b, int64_t d) {
+  acc_t s = 0;
+  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
+  return s;
+}
+
+template <class acc_t, class scalar_t>
+acc_t inv_rms(const scalar_t* k, int64_t d, double eps) {
+  return acc_t(1) / std::sqrt(dot<acc_t>(k, k, d) / acc_t(d) + acc_t(eps));
+}
+
+void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (q.dim() != 2 || k.dim() != 3 || v.dim() != 3) fail("depth_read: expected queries [M, d], keys and values [N, P, d]");
+  if (k.sizes() != v.sizes()) fail("depth_read: keys ", k.sizes(), " and values ", v.sizes(), " differ");
+  if (q.size(1) != k.size(2)) fail("depth_read: queries have d = ", q.size(1), ", keys d = ", k.size(2));
+  if (k.size(0) < 1) fail("depth_read: needs at least one source");
+  if (q.scalar_type() != k.scalar_type() || k.scalar_type() != v.scalar_type())
+    fail("depth_read: queries, keys and values must share a dtype");
+}
+
+// A grain that gives each task a few thousand multiply-adds.
+int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
+                                                      const at::Tensor& values, double eps) {
+  check_read(queries, keys, values);
+  const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous();
+  const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
+  at::Tensor out = at::empty({M, P, d}, k.options());
+  const auto acc_type = k.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor lse = at::empty({M, P}, k.options().dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    acc_t* lp = lse.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(N * d * (M + 1)), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> s(N), acc(d);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t r = 0; r < N; ++r) s[r] = inv_rms<acc_t>(kp + (r * P + p) * d, d, eps);
+        for (int64_t m = 0; m < M; ++m) {
+          acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          for (int64_t r = 0; r < N; ++r) {
+            const scalar_t* kr = kp + (r * P + p) * d;
+            const scalar_t* vr = vp + (r * P + p) * d;
+            const acc_t a = s[r] * dot<acc_t>(qp + m * d, kr, d);  // (A.1)
+            if (a > mx) {                                         // (A.2): rescale what is summed
+              const acc_t scale = std::exp(mx - a);
+              Z *= scale;
+              for (int64_t i = 0; i < d; ++i) acc[i] *= scale;
+              mx = a;
+            }
+            const acc_t w = std::exp(a - mx);
+            Z += w;                                                   // (A.3)
+            for (int64_t i = 0; i < d; ++i) acc[i] += w * acc_t(vr[i]);  // (A.4)
+          }
+          scalar_t* o = op + (m * P + p) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(acc[i] / Z);  // (A.5)
+          lp[m * P + p] = mx + std::log(Z);
+        }
+      }
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out_, const at::Tensor& grad_lse_,
+                                                                   const at::Tensor& queries, const at::Tensor& keys,
+                                                                   const at::Tensor& values, const at::Tensor& lse_,
+                                                                   double eps) {
+  const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous(), lse = lse_.contiguous();
+  const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
+  const auto acc_type = lse.scalar_type();
+  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, k.options());
+  const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({M, P}, lse.options());
+  // Gradients of keys and values are accumulated per token (no two threads share a token);
+  // the query gradient is a sum over tokens: one partial sum per thread, added at the end.
+  at::Tensor gk = at::empty({N, P, d}, k.options().dtype(acc_type));
+  at::Tensor gv = at::empty({N, P, d}, k.options().dtype(acc_type));
+  const int threads = at::get_num_threads();
+  at::Tensor gq_parts = at::zeros({threads, M, d}, k.options().dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
+    const scalar_t* gop = go.const_data_ptr<scalar_t>();
+    const acc_t *lp = lse.const_data_ptr<acc_t>(), *glp = gl.const_data_ptr<acc_t>();
+    acc_t *gkp = gk.mutable_data_ptr<acc_t>(), *gvp = gv.mutable_data_ptr<acc_t>();
+    acc_t* gq_all = gq_parts.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
+      acc_t* gq = gq_all + int64_t(at::get_thread_num()) * M * d;
+      std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t r = 0; r < N; ++r) {
+          s[r] = inv_rms<acc_t>(kp + (r * P + p) * d, d, eps);
+          std::fill_n(gkp + (r * P + p) * d, d, acc_t(0));
+          std::fill_n(gvp + (r * P + p) * d, d, acc_t(0));
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const scalar_t* qm = qp + m * d;
+          const scalar_t* g = gop + (m * P + p) * d;
+          acc_t g_out = 0;  // g · out = Σ_r w_r (g · v_r)
+          for (int64_t r = 0; r < N; ++r) {
+            qk[r] = dot<acc_t>(qm, kp + (r * P + p) * d, d);
+            w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
+            gdotv[r] = dot<acc_t>(g, vp + (r * P + p) * d, d);
+            g_out += w[r] * gdotv[r];
+          }
+          for (int64_t r = 0; r < N; ++r) {
+            const scalar_t* kr = kp + (r * P + p) * d;
+            const acc_t da = w[r] * (gdotv[r] - g_out) + glp[m * P + p] * w[r];
+            acc_t* gvr = gvp + (r * P + p) * d;
+            acc_t* gkr = gkp + (r * P + p) * d;
+            const acc_t c_k = da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
+            for (int64_t i = 0; i < d; ++i) {
+              gvr[i] += w[r] * acc_t(g[i]);
+              gq[m * d + i] += da * s[r] * acc_t(kr[i]);
+              gkr[i] += da * s[r] * acc_t(qm[i]) - c_k * acc_t(kr[i]);
+            }
+          }
+        }
+      }
+    });
+  });
+  at::Tensor gq = gq_parts.sum(0).to(q.scalar_type());
+  return {gq, gk.to(k.scalar_type()), gv.to(v.scalar_type())};
+}
+
+at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
+                               const at::Tensor& key_part, const at::Tensor& value_part, double eps) {
+  if (out_.dim() != 2 || key_part.sizes() != out_.sizes() || value_part.sizes() != out_.sizes() ||
+      lse_.dim() != 1 || lse_.size(0) != out_.size(0) || query.dim() != 1 || query.size(0) != out_.size(1))
+    fail("depth_merge: expected out, key_part, value_part [P, d], log_partition [P], query [d]");
+  const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = query.contiguous(),
+                   k = key_part.contiguous(), v = value_part.contiguous();
+  const int64_t P = o.size(0), d = o.size(1);
+  at::Tensor h = at::empty({P, d}, o.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "depth_merge_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *op = o.const_data_ptr<scalar_t>(), *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(),
+                   *vp = v.const_data_ptr<scalar_t>();
+    const acc_t* lp = lse.const_data_ptr<acc_t>();
+    scalar_t* hp = h.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, P, grain(3 * d), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t* kr = kp + p * d;
+        const acc_t a = inv_rms<acc_t>(kr, d, eps) * dot<acc_t>(qp, kr, d);  // (A.8)
+        const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));      // σ(ζ − a) (A.9)
+        for (int64_t i = 0; i < d; ++i)
+          hp[p * d + i] = scalar_t(lambda * acc_t(op[p * d + i]) + (acc_t(1) - lambda) * acc_t(vp[p * d + i]));  // (A.10)
+      }
+    });
+  });
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
+    const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
+    const at::Tensor& key_part, const at::Tensor& value_part, double eps) {
+  const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor g = grad_.contiguous(), o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(),
+                   q = query.contiguous(), k = key_part.contiguous(), v = value_part.contiguous();
+  const int64_t P = o.size(0), d = o.size(1);
+  at::Tensor go = at::empty({P, d}, o.options().dtype(acc_type)), gv = at::empty({P, d}, o.options().dtype(acc_type)),
+             gk = at::empty({P, d}, o.options().dtype(acc_type)), gl = at::empty({P}, lse.options());
+  const int threads = at::get_num_threads();
+  at::Tensor gq_parts = at::zeros({threads, d}, o.options().dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "depth_merge_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *gp = g.const_data_ptr<scalar_t>(), *op = o.const_data_ptr<scalar_t>(), *qp = q.const_data_ptr<scalar_t>(),
+                   *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
+    const acc_t* lp = lse.const_data_ptr<acc_t>();
+    acc_t *gop = go.mutable_data_ptr<acc_t>(), *gvp = gv.mutable_data_ptr<acc_t>(), *gkp = gk.mutable_data_ptr<acc_t>(),
+          *glp = gl.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(5 * d), [&](int64_t p0, int64_t p1) {
+      acc_t* gq = gq_all + int64_t(at::get_thread_num()) * d;
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t *kr = kp + p * d, *gr = gp + p * d;
+        const acc_t s = inv_rms<acc_t>(kr, d, eps), qk = dot<acc_t>(qp, kr, d), a = s * qk;
+        const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));
+        acc_t dlambda = 0;  // ∂h/∂λ · g = g · (out − v_part)
+        for (int64_t i = 0; i < d; ++i) dlambda += acc_t(gr[i]) * (acc_t(op[p * d + i]) - acc_t(vp[p * d + i]));
+        const acc_t dz = dlambda * lambda * (acc_t(1) - lambda);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
+        glp[p] = dz;
+        const acc_t da = -dz, c_k = da * s * s * s * qk / acc_t(d);
+        for (int64_t i = 0; i < d; ++i) {
+          gop[p * d + i] = lambda * acc_t(gr[i]);
+          gvp[p * d + i] = (acc_t(1) - lambda) * acc_t(gr[i]);
+          gq[i] += da * s * acc_t(kr[i]);
+          gkp[p * d + i] = da * s * acc_t(qp[i]) - c_k * acc_t(kr[i]);
+        }
+      }
+    });
+  });
+  const auto st = o.scalar_type();
+  return {go.to(st), gl.to(lse_.scalar_type()), gq_parts.sum(0).to(q.scalar_type()), gk.to(st), gv.to(st)};
+}
+
+}  // namespace depthkit::cpu

@@ -1,0 +1,25 @@
+// CPU kernels of the fused depth read and merge (declared here, registered in ops/schema.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace depthkit::cpu {
+
+std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
+                                                      const at::Tensor& values, double eps);
+// Gradients of (out, ζ) → (queries, keys, values). grad_lse may be undefined (zero).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out,
+                                                                   const at::Tensor& grad_lse,
+                                                                   const at::Tensor& queries, const at::Tensor& keys,
+                                                                   const at::Tensor& values, const at::Tensor& lse,
+                                                                   double eps);
+
+at::Tensor depth_merge_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
+                               const at::Tensor& key_part, const at::Tensor& value_part, double eps);
+// Gradients of h → (out, ζ, query, key_part, value_part).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
+    const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
+    const at::Tensor& key_part, const at::Tensor& value_part, double eps);
+
+}  // namespace depthkit::cpu

@@ -1,0 +1,157 @@
+// The fused depth-retrieval operators against the reference composition (ops/depth_attention.h):
+// forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes
+// including N = 1, P = 1 and odd d; a finite-difference gradient check in float64; bfloat16.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+
+#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/fused.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
+  const double scale = std::max(1.0, b.abs().max().item<double>());
+  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+  if (err <= rtol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
+}
+
+struct Shape {
+  int64_t M, N, P, d;
+};
+const Shape kShapes[] = {{1, 1, 1, 1}, {1, 1, 5, 7}, {3, 4, 1, 9}, {2, 5, 6, 7}, {4, 9, 33, 16}};
+
+// Reference: each target's read composed of ATen ops (autograd gives the backward).
+std::pair<at::Tensor, at::Tensor> reference_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  std::vector<at::Tensor> outs, lses;
+  for (int64_t m = 0; m < q.size(0); ++m) {
+    DepthRead r = depth_read(q[m], k, v);
+    outs.push_back(r.out);
+    lses.push_back(r.log_partition);
+  }
+  return {at::stack(outs), at::stack(lses)};
+}
+
+void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.M * 100 + s.N * 10 + s.P);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  at::Tensor q = (at::randn({s.M, s.d}, g, opt) * 1.5).requires_grad_();
+  at::Tensor k = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
+  at::Tensor v = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
+  at::Tensor q2 = q.detach().clone().requires_grad_(), k2 = k.detach().clone().requires_grad_(),
+             v2 = v.detach().clone().requires_grad_();
+  auto [out, lse] = fused::depth_read(q, k, v, kKeyNormEps);
+  auto [ref_out, ref_lse] = reference_read(q2, k2, v2);
+  EXPECT_TRUE(near(out, ref_out, rtol, "out"));
+  EXPECT_TRUE(near(lse, ref_lse, rtol, "log-partition"));
+  at::Tensor w_out = at::randn(out.sizes(), g, opt), w_lse = at::randn(lse.sizes(), g, opt);
+  ((out * w_out).sum() + (lse * w_lse).sum()).backward();
+  ((ref_out * w_out).sum() + (ref_lse * w_lse).sum()).backward();
+  EXPECT_TRUE(near(q.grad(), q2.grad(), rtol, "d queries"));
+  EXPECT_TRUE(near(k.grad(), k2.grad(), rtol, "d keys"));
+  EXPECT_TRUE(near(v.grad(), v2.grad(), rtol, "d values"));
+}
+
+void compare_merge(int64_t N, int64_t P, int64_t d, at::ScalarType dtype, double rtol) {
+  auto g = generator(P * 10 + d);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  at::Tensor q = (at::randn({d}, g, opt) * 1.5).requires_grad_();
+  at::Tensor k = at::randn({N, P, d}, g, opt).requires_grad_(), v = at::randn({N, P, d}, g, opt).requires_grad_();
+  at::Tensor kp = at::randn({P, d}, g, opt).requires_grad_(), vp = at::randn({P, d}, g, opt).requires_grad_();
+  std::vector<at::Tensor> leaves = {q, k, v, kp, vp}, copies;
+  for (auto& t : leaves) copies.push_back(t.detach().clone().requires_grad_());
+  // Fused: the read then the merge; reference: one softmax over all N + 1 candidates.
+  auto [out, lse] = fused::depth_read(q.unsqueeze(0), k, v, kKeyNormEps);
+  at::Tensor h = fused::depth_merge(out[0], lse[0], q, kp, vp, kKeyNormEps);
+  at::Tensor ref = depth_read(copies[0], at::cat({copies[1], copies[3].unsqueeze(0)}),
+                              at::cat({copies[2], copies[4].unsqueeze(0)})).out;
+  EXPECT_TRUE(near(h, ref, rtol, "merged"));
+  at::Tensor w = at::randn(h.sizes(), g, opt);
+  (h * w).sum().backward();
+  (ref * w).sum().backward();
+  const char* names[] = {"d query", "d keys", "d values", "d key_part", "d value_part"};
+  for (size_t i = 0; i < leaves.size(); ++i) EXPECT_TRUE(near(leaves[i].grad(), copies[i].grad(), rtol, names[i]));
+}
+
+}  // namespace
+
+TEST(FusedDepthRead, EqualsReferenceFloat64) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(cat("M ", s.M, " N ", s.N, " P ", s.P, " d ", s.d));
+    compare_read(s, at::kDouble, 1e-10);
+  }
+}
+
+TEST(FusedDepthRead, EqualsReferenceFloat32) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(cat("M ", s.M, " N ", s.N, " P ", s.P, " d ", s.d));
+    compare_read(s, at::kFloat, 1e-5);
+  }
+}
+
+TEST(FusedDepthMerge, EqualsOneSoftmaxOverAllCandidates) {
+  for (auto [N, P, d] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 7}, std::tuple{5, 9, 16}}) {
+    SCOPED_TRACE(cat("N ", N, " P ", P, " d ", d));
+    compare_merge(N, P, d, at::kDouble, 1e-10);
+    compare_merge(N, P, d, at::kFloat, 1e-5);
+  }
+}
+
+// Central finite differences in float64 against the hand-written backward (gradcheck).
+TEST(FusedDepthRead, GradcheckFloat64) {
+  auto g = generator(11);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({2, 5}, g, opt), k = at::randn({3, 4, 5}, g, opt), v = at::randn({3, 4, 5}, g, opt);
+  at::Tensor kp = at::randn({4, 5}, g, opt), vp = at::randn({4, 5}, g, opt);
+  at::Tensor w = at::randn({4, 5}, g, opt);
+  std::vector<at::Tensor> inputs = {q, k, v, kp, vp};
+  auto f = [&](const std::vector<at::Tensor>& in) {
+    auto [out, lse] = fused::depth_read(in[0], in[1], in[2], kKeyNormEps);
+    at::Tensor h = fused::depth_merge(out[1], lse[1], in[0][1], in[3], in[4], kKeyNormEps);
+    return (h * w).sum() + (out[0] * w).sum() + lse.sum();
+  };
+  std::vector<at::Tensor> leaves;
+  for (auto& t : inputs) leaves.push_back(t.clone().requires_grad_());
+  f(leaves).backward();
+  const double h = 1e-6;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    at::Tensor numeric = at::zeros_like(inputs[i]);
+    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
+      auto plus = inputs, minus = inputs;
+      plus[i] = inputs[i].clone();
+      minus[i] = inputs[i].clone();
+      plus[i].view(-1)[j] += h;
+      minus[i].view(-1)[j] -= h;
+      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
+    }
+    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
+  }
+}
+
+TEST(FusedDepthRead, BFloat16WithinItsPrecision) {
+  auto g = generator(12);
+  at::Tensor q = at::randn({2, 64}, g), k = at::randn({6, 32, 64}, g), v = at::randn({6, 32, 64}, g);
+  auto [out, lse] = fused::depth_read(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), kKeyNormEps);
+  auto [ref_out, ref_lse] = reference_read(q.to(at::kBFloat16).to(at::kFloat), k.to(at::kBFloat16).to(at::kFloat),
+                                           v.to(at::kBFloat16).to(at::kFloat));
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(near(out, ref_out, 1e-2, "bf16 out"));  // one bf16 rounding of the output: 2^-8
+  EXPECT_TRUE(near(lse, ref_lse, 1e-5, "bf16 log-partition (float32)"));
+}
+
+TEST(FusedDepthRead, BadShapesAreClearErrors) {
+  at::Tensor q = at::zeros({2, 4}), k = at::zeros({3, 5, 4});
+  expect_error([&] { fused::depth_read(q, k, at::zeros({3, 5, 3}), kKeyNormEps); }, {"depth_read", "differ"});
+  expect_error([&] { fused::depth_read(at::zeros({2, 3}), k, k, kKeyNormEps); }, {"depth_read", "d = 3"});
+}
+
+}  // namespace depthkit::test
