@@ -29,9 +29,11 @@ namespace depthkit::cpu {
 
 namespace {
 
+// The compiler may reorder this sum into SIMD lanes (-fopenmp-simd; no OpenMP runtime involved).
 template <class acc_t, class scalar_t>
 acc_t dot(const scalar_t* a, const scalar_t* b, int64_t d) {
   acc_t s = 0;
+#pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
   return s;
 }
