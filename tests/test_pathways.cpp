@@ -486,35 +486,18 @@ struct PathwayCase {
 };
 const PathwayCase kBlockCases[] = {{3, 1, 5}, {3, 2, 5}, {3, 4, 5}, {3, 6, 1}, {2, 8, 5}, {3, 4, 1}};
 
+// AttnRes and AttnRes + SepV, with the reference modules and with the fused operators.
 TEST(AttnRes, EqualsTheEquations) {
-  for (PathwayCase c : kBlockCases) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
-    check_against_reference(residual("attnres", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
-      return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", false);
-    });
-  }
-}
-
-TEST(AttnRes, FusedEqualsTheEquations) {
-  for (PathwayCase c : kBlockCases) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
-    for (const char* kind : {"attnres", "attnres_sepv"}) {
-      ResidualConfig r = residual(kind, c.S);
-      r.impl = "fused";
-      check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
-        return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", std::string(kind) == "attnres_sepv");
-      });
-    }
-  }
-}
-
-TEST(AttnResSepV, EqualsTheEquations) {
-  for (PathwayCase c : kBlockCases) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
-    check_against_reference(residual("attnres_sepv", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
-      return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", true);
-    });
-  }
+  for (PathwayCase c : kBlockCases)
+    for (const char* kind : {"attnres", "attnres_sepv"})
+      for (const char* impl : {"reference", "fused"}) {
+        SCOPED_TRACE(cat(kind, " ", impl, " n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
+        ResidualConfig r = residual(kind, c.S);
+        r.impl = impl;
+        check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+          return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", r.kind == "attnres_sepv");
+        });
+      }
 }
 
 TEST(AttnResSepV, StartsAsAttnRes) {
