@@ -1,6 +1,6 @@
-#include <ATen/TensorOperators.h>
-
 #include "depthkit/model/layers.h"
+
+#include <ATen/TensorOperators.h>
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>

@@ -13,6 +13,8 @@ namespace depthkit {
 namespace {
 struct History final : PathwayState {
   std::vector<at::Tensor> completed;  // [B, T, d] each: embedding, then completed block summaries
+  std::vector<at::Tensor> values;     // their values: the same tensors, or W_{v,r}·source (SepV),
+                                      // mapped once when the source is appended
   at::Tensor partial;                 // sum of the current block's outputs; undefined at block start
 };
 History& history(PathwayState& s) { return static_cast<History&>(s); }
@@ -35,14 +37,12 @@ AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, Param
 std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<History>();
   s->completed.push_back(embedding);
+  s->values.push_back(value(0, embedding));
   return s;
 }
 
-at::Tensor AttnRes::values(const std::vector<at::Tensor>& sources) const {
-  if (value_maps_.empty()) return at::stack(sources);  // keys = values (eq. 4)
-  std::vector<at::Tensor> mapped;
-  for (size_t r = 0; r < sources.size(); ++r) mapped.push_back(at::linear(sources[r], value_maps_[r]));  // eq. 21
-  return at::stack(mapped);
+at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
+  return value_maps_.empty() ? source : at::linear(source, value_maps_[r]);  // eq. 4, or eq. 21 (SepV)
 }
 
 at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
@@ -63,27 +63,26 @@ at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, co
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
-  if (first_in_block && s.completed.size() == 1)  // one candidate: its weight is 1
-    return value_maps_.empty() ? s.completed[0] : at::linear(s.completed[0], value_maps_[0]);
-  at::Tensor keys = at::stack(s.completed), vals = values(s.completed);
+  if (first_in_block && s.completed.size() == 1) return s.values[0];  // one candidate: its weight is 1
+  at::Tensor keys = at::stack(s.completed), vals = at::stack(s.values);
   if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
-  const at::Tensor v_part =
-      value_maps_.empty() ? s.partial : at::linear(s.partial, value_maps_[s.completed.size()]);
-  return read_sources(query_[l], keys, vals, s.partial, v_part);
+  // The partial is valued with the map of the source index it will take.
+  return read_sources(query_[l], keys, vals, s.partial, value(s.completed.size(), s.partial));
 }
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
   s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;
   if (l % block_ == 0 || l == branches_) {  // block boundary (the last block may be shorter)
+    s.values.push_back(value(s.completed.size(), s.partial));
     s.completed.push_back(s.partial);
     s.partial = at::Tensor();
   }
 }
 
 at::Tensor AttnRes::finish(PathwayState& state) {
-  const auto& completed = history(state).completed;
-  return read_sources(out_query_, at::stack(completed), values(completed), {}, {});
+  History& s = history(state);
+  return read_sources(out_query_, at::stack(s.completed), at::stack(s.values), {}, {});
 }
 
 }  // namespace depthkit

@@ -39,7 +39,7 @@ class AttnRes final : public ResidualPathway {
   at::Tensor out_query_;
   std::vector<at::Tensor> value_maps_;  // attnres_sepv: [d, d] per source index; empty otherwise
   bool fused_;                          // residual.impl = "fused": the depthkit operators
-  at::Tensor values(const std::vector<at::Tensor>& sources) const;  // stacked (mapped) values
+  at::Tensor value(size_t r, const at::Tensor& source) const;  // the value of source index r
   // One read over stacked keys/values [N, B, T, d], merged with the partial when given.
   at::Tensor read_sources(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                           const at::Tensor& key_part, const at::Tensor& value_part) const;

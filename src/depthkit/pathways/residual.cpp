@@ -1,6 +1,6 @@
-#include <ATen/TensorOperators.h>
-
 #include "depthkit/pathways/residual.h"
+
+#include <ATen/TensorOperators.h>
 
 namespace depthkit {
 

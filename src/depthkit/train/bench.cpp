@@ -1,6 +1,6 @@
-#include <ATen/TensorOperators.h>
-
 #include "depthkit/train/bench.h"
+
+#include <ATen/TensorOperators.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
-#include <ATen/TensorOperators.h>
-
 #include "depthkit/train/optimizer.h"
+
+#include <ATen/TensorOperators.h>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/scalar_tensor.h>

@@ -1,6 +1,6 @@
-#include <ATen/TensorOperators.h>
-
 #include "depthkit/train/trainer.h"
+
+#include <ATen/TensorOperators.h>
 
 #include <ATen/Parallel.h>
 
