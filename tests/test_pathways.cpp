@@ -624,10 +624,12 @@ TEST(Dar, EqualsTheEquations) {
     const char* routing;
   };
   for (Case c : {Case{3, 2, 5, "cross"}, Case{3, 4, 5, "cross"}, Case{3, 4, 1, "cross"}, Case{2, 8, 3, "cross"},
-                 Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"}}) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing));
+                 Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"}})
+   for (const char* impl : {"reference", "fused"}) {
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing, " ", impl));
     ResidualConfig r = residual("dar", c.S);
     r.routing = c.routing;
+    r.impl = impl;
     const int64_t L = 2 * c.n_layers;
     check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
       auto ref = std::make_unique<DarRef>(e, c.S, L, c.routing);
@@ -700,6 +702,7 @@ std::vector<std::vector<std::string>> model_kinds() {
           {"residual.kind=attnres", "residual.block_sublayers=3", "residual.impl=fused"},
           {"residual.kind=dar", "residual.block_sublayers=2"},
           {"residual.kind=dar", "residual.block_sublayers=3"},
+          {"residual.kind=dar", "residual.block_sublayers=3", "residual.impl=fused"},
           {"residual.kind=msar", "residual.block_sublayers=1"},
           {"residual.kind=msar", "residual.block_sublayers=4"},
           {"residual.kind=mhc", "residual.streams=4"},
@@ -814,8 +817,8 @@ TEST(Config, InvalidPathwayCombinationsNameTheKey) {
                {"'residual.sinkhorn_iters'"});
   expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
                {"'residual.fusion'", "\"hpre\", \"mean\""});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=dar", "residual.impl=fused"}); },
-               {"'residual.impl'", "not available for residual.kind \"dar\""});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.impl=fused"}); },
+               {"'residual.impl'", "not available for residual.kind \"msar\""});
   Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
   EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
   EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);

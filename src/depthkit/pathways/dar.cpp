@@ -9,7 +9,9 @@
 #include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/fused.h"
 
 namespace depthkit {
 
@@ -18,7 +20,7 @@ namespace {
 struct DualHistory final : PathwayState {
   std::vector<at::Tensor> h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
   at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
-  at::Tensor beta;                 // β_ℓ of the last read, [B, T, 2], used by its write
+  at::Tensor beta;                 // β_ℓ of the last read, [B, T, 2] ([B·T, 2] fused), used by its write
 };
 DualHistory& dual(PathwayState& s) { return static_cast<DualHistory&>(s); }
 
@@ -48,7 +50,7 @@ at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1) { return key_n
 
 Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : block_(residual.block_sublayers), branches_(model.n_branches()), routing_(residual.routing),
-      branch_(branches_ + 1) {
+      fused_(residual.impl == "fused"), branch_(branches_ + 1) {
   const int64_t d = model.d_model;
   // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
   const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
@@ -81,6 +83,17 @@ at::Tensor Dar::read(PathwayState& state, int64_t l) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
   const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  if (fused_) {  // eq. 10–15 in one operator (ops/dar_ops.h)
+    const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+    auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
+    auto [k0, v0] = route(routing_, 0);
+    auto [k1, v1] = route(routing_, 1);
+    fused::DarRead r = fused::dar_read(at::stack({b.q0, b.q1}), completed[0].reshape({N, B * T, d}),
+                                       completed[1].reshape({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha,
+                                       b.b_alpha, b.w_beta, b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
+    s.beta = r.beta;
+    return r.h.view({B, T, d});
+  }
   at::Tensor h0 = read_stream(routing_, 0, b.q0, completed, s.p0, s.p1);
   at::Tensor h1 = read_stream(routing_, 1, b.q1, completed, s.p0, s.p1);
   at::Tensor hbar = joint_norm(h0, h1);                                  // eq. 13
@@ -90,6 +103,25 @@ at::Tensor Dar::read(PathwayState& state, int64_t l) {
 }
 
 void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
+  DualHistory& s = dual(state);
+  const Branch& b = branch_[l];
+  if (fused_) {  // eq. 16–17 in one operator
+    const int64_t B = out.size(0), T = out.size(1), d = out.size(2);
+    auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
+    auto [p0, p1] = fused::dar_write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
+    s.p0 = p0.view({B, T, d});
+    s.p1 = p1.view({B, T, d});
+  } else {
+    write_reference(s, l, out);
+  }
+  if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
+    s.h0.push_back(s.p0);
+    s.h1.push_back(s.p1);
+    s.p0 = s.p1 = at::Tensor();
+  }
+}
+
+void Dar::write_reference(PathwayState& state, int64_t l, const at::Tensor& out) const {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
   at::Tensor w0 = s.beta.select(-1, 0).unsqueeze(-1) * out;  // β ⊗ f(h) (eq. 7)
@@ -104,16 +136,22 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
     s.p0 = p0;
     s.p1 = p1;
   }
-  if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
-    s.h0.push_back(s.p0);
-    s.h1.push_back(s.p1);
-    s.p0 = s.p1 = at::Tensor();
-  }
 }
 
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
   const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  if (fused_) {  // h_out = h⁰_out + h¹_out, two completed reads
+    const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+    at::Tensor out;
+    for (int j = 0; j < 2; ++j) {
+      auto [k, v] = route(routing_, j);
+      auto [o, lse] = fused::depth_read((j == 0 ? out_q0_ : out_q1_).unsqueeze(0), completed[k].reshape({N, B * T, d}),
+                                        completed[v].reshape({N, B * T, d}), kKeyNormEps);
+      out = j == 0 ? o[0] : out + o[0];
+    }
+    return out.view({B, T, d});
+  }
   return read_stream(routing_, 0, out_q0_, completed, {}, {}) + read_stream(routing_, 1, out_q1_, completed, {}, {});
 }
 

@@ -47,8 +47,10 @@ class Dar final : public ResidualPathway {
   };
   int64_t block_, branches_;
   std::string routing_;
+  bool fused_;  // residual.impl = "fused": the depthkit::dar_read / dar_write operators
   std::vector<Branch> branch_;  // [L_b + 1], index ℓ
   at::Tensor out_q0_, out_q1_;
+  void write_reference(PathwayState& state, int64_t branch, const at::Tensor& out) const;  // eq. 16–17 in ATen ops
 };
 
 }  // namespace depthkit

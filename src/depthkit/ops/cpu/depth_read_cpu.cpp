@@ -23,25 +23,12 @@
 #include <limits>
 #include <vector>
 
+#include "depthkit/ops/cpu/kernel_math.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
 
 namespace {
-
-// The compiler may reorder this sum into SIMD lanes (-fopenmp-simd; no OpenMP runtime involved).
-template <class acc_t, class scalar_t>
-acc_t dot(const scalar_t* a, const scalar_t* b, int64_t d) {
-  acc_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
-  return s;
-}
-
-template <class acc_t, class scalar_t>
-acc_t inv_rms(const scalar_t* k, int64_t d, double eps) {
-  return acc_t(1) / std::sqrt(dot<acc_t>(k, k, d) / acc_t(d) + acc_t(eps));
-}
 
 void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (q.dim() != 2 || k.dim() != 3 || v.dim() != 3) fail("depth_read: expected queries [M, d], keys and values [N, P, d]");
@@ -51,9 +38,6 @@ void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (q.scalar_type() != k.scalar_type() || k.scalar_type() != v.scalar_type())
     fail("depth_read: queries, keys and values must share a dtype");
 }
-
-// A grain that gives each task a few thousand multiply-adds.
-int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
 
 }  // namespace
 

@@ -1,0 +1,378 @@
+// CPU kernels of DAR's fused residual read and gated write (DAR Appendix A.1, eq. 9–17).
+//
+// Layout: completed streams H⁰, H¹ [N, P, d] (P = batch·tokens); the block's partial P⁰, P¹ [P, d]
+// is one more candidate (index N) when present. Parallel over tokens; per token everything lives in
+// thread-local buffers of d (or 2d) floats: nothing of size N·P·d is written but the gradients.
+//
+// Read, per token (eq. 10–15): the inverse RMS s of every candidate of both streams is computed
+// once (keys normalised on the fly, shared by the two reads). Output stream j reads with key
+// stream k_j and value stream v_j (routing, eq. 22) by online softmax over the candidates
+// (eq. A.1–A.5, the partial folded in as the last candidate, which is the merge A.6–A.10):
+//   a_c = s_c (q_j · K_c),  z_j = Σ_c softmax(a)_c V_c,  ζ_j = logsumexp_c a_c.
+// Then the gates: u = [z⁰; z¹], ū = u / rms(u), α = σ(ū W_αᵀ + b_α), β = 2σ(ū W_βᵀ + b_β),
+// h = α⁰ z⁰ + α¹ z¹. Only ζ [2, P] is kept for the backward.
+//
+// Read backward, per token: z_j is recomputed from ζ without a running max (w_c = exp(a_c − ζ_j)),
+// then the gates are differentiated:
+//   ∂α_k = g_h · z_k,  ∂ℓα_k = ∂α_k α_k(1 − α_k),  ∂ℓβ_k = ∂β_k · β_k(1 − β_k/2),
+//   ∂ū = Σ_k ∂ℓα_k W_α[k] + ∂ℓβ_k W_β[k],  ∂u = (∂ū − ū (ū·∂ū)/2d) / rms(u),
+//   ∂z_k = α_k g_h + ∂u[k],
+// and the read (as depth_read_cpu.cpp): ∂a_c = w_c (∂z·V_c − ∂z·z), ∂V_c += w_c ∂z,
+//   ∂q += ∂a_c s_c K_c,  ∂K_c += ∂a_c (s_c q − s_c³ (q·K_c) K_c / d).
+// Gate and query gradients are sums over tokens: one partial sum per thread, added at the end.
+//
+// Write (eq. 16–17): P'_j = β_j f at block start; otherwise with ρ = σ(Norm([P⁰; P¹]) w_ρ + b_ρ),
+//   P'⁰ = ρ P⁰ + (1 − ρ) P¹ + β⁰ f,   P'¹ = (1 − ρ) P⁰ + ρ P¹ + β¹ f.
+// Its backward: ∂f = Σ_j β_j g_j, ∂β_j = g_j · f, ∂ρ = (g⁰ − g¹)·(P⁰ − P¹), ∂ℓρ = ∂ρ ρ(1 − ρ),
+//   ∂P⁰ = ρ g⁰ + (1 − ρ) g¹ + ∂u[0], ∂P¹ = (1 − ρ) g⁰ + ρ g¹ + ∂u[1] with ∂ū = ∂ℓρ w_ρ.
+#include "depthkit/ops/cpu/dar_cpu.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <limits>
+#include <vector>
+
+#include "depthkit/ops/cpu/kernel_math.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit::cpu {
+
+namespace {
+
+void check_read(const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+                const at::Tensor& p1, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
+                const at::Tensor& bb) {
+  if (h0.dim() != 3 || h0.sizes() != h1.sizes() || h0.size(0) < 1)
+    fail("dar_read: expected completed streams h0, h1 [N, P, d] with N ≥ 1, got ", h0.sizes(), " and ", h1.sizes());
+  const int64_t P = h0.size(1), d = h0.size(2);
+  if (q.dim() != 2 || q.size(0) != 2 || q.size(1) != d) fail("dar_read: queries must be [2, ", d, "], got ", q.sizes());
+  if (p0.defined() != p1.defined()) fail("dar_read: give both partial streams or neither");
+  if (p0.defined() && (p0.sizes() != at::IntArrayRef{P, d} || p1.sizes() != p0.sizes()))
+    fail("dar_read: partial streams must be [", P, ", ", d, "], got ", p0.sizes(), " and ", p1.sizes());
+  for (const at::Tensor* w : {&wa, &wb})
+    if (w->sizes() != at::IntArrayRef{2, 2 * d}) fail("dar_read: gate weights must be [2, ", 2 * d, "], got ", w->sizes());
+  for (const at::Tensor* b : {&ba, &bb})
+    if (b->sizes() != at::IntArrayRef{2}) fail("dar_read: gate biases must be [2], got ", b->sizes());
+  for (const at::Tensor* t : {&q, &h1, &wa, &ba, &wb, &bb})
+    if (t->scalar_type() != h0.scalar_type()) fail("dar_read: all inputs must share one dtype");
+  if (p0.defined() && (p0.scalar_type() != h0.scalar_type() || p1.scalar_type() != h0.scalar_type()))
+    fail("dar_read: all inputs must share one dtype");
+}
+
+at::ScalarType acc_type_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
+
+// Candidate c of a stream for token p: a completed entry (c < N) or the partial (c = N).
+template <class T>
+struct Candidates {
+  const T* completed[2];
+  const T* partial[2];
+  int64_t N, P, d;
+  const T* at(int stream, int64_t c, int64_t p) const {
+    return c < N ? completed[stream] + (c * P + p) * d : partial[stream] + p * d;
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
+    const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_, const at::Tensor& p0_,
+    const at::Tensor& p1_, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
+    const at::Tensor& b_beta, const DarRouting& routing, double eps) {
+  check_read(queries, h0_, h1_, p0_, p1_, w_alpha, b_alpha, w_beta, b_beta);
+  const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
+                   p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
+                   ba = b_alpha.contiguous(), wb = w_beta.contiguous(), bb = b_beta.contiguous();
+  const int64_t N = h0.size(0), P = h0.size(1), d = h0.size(2), C = N + (p0.defined() ? 1 : 0);
+  at::Tensor h = at::empty({P, d}, h0.options()), beta = at::empty({P, 2}, h0.options());
+  at::Tensor lse = at::empty({2, P}, h0.options().dtype(acc_type_of(h0)));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h0.scalar_type(), "dar_read_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const Candidates<scalar_t> cand{{h0.const_data_ptr<scalar_t>(), h1.const_data_ptr<scalar_t>()},
+                                    {p0.defined() ? p0.const_data_ptr<scalar_t>() : nullptr,
+                                     p1.defined() ? p1.const_data_ptr<scalar_t>() : nullptr},
+                                    N, P, d};
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *wap = wa.const_data_ptr<scalar_t>(),
+                   *bap = ba.const_data_ptr<scalar_t>(), *wbp = wb.const_data_ptr<scalar_t>(),
+                   *bbp = bb.const_data_ptr<scalar_t>();
+    scalar_t *hp = h.mutable_data_ptr<scalar_t>(), *betap = beta.mutable_data_ptr<scalar_t>();
+    acc_t* lp = lse.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(6 * C * d), [&](int64_t p0i, int64_t p1i) {
+      std::vector<acc_t> s(2 * C), z(2 * d);
+      for (int64_t p = p0i; p < p1i; ++p) {
+        for (int st = 0; st < 2; ++st)
+          for (int64_t c = 0; c < C; ++c) s[st * C + c] = inv_rms<acc_t>(cand.at(st, c, p), d, eps);
+        for (int j = 0; j < 2; ++j) {  // the two reads (eq. 11–12) by online softmax (A.1–A.5)
+          const int ks = int(routing.key[j]), vs = int(routing.value[j]);
+          acc_t* zj = z.data() + j * d;
+          std::fill_n(zj, d, acc_t(0));
+          acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            const acc_t a = s[ks * C + c] * dot<acc_t>(qp + j * d, cand.at(ks, c, p), d);
+            if (a > mx) {
+              const acc_t rescale = std::exp(mx - a);
+              Z *= rescale;
+              scale(zj, rescale, d);
+              mx = a;
+            }
+            const acc_t w = std::exp(a - mx);
+            Z += w;
+            axpy(zj, w, cand.at(vs, c, p), d);
+          }
+          scale(zj, acc_t(1) / Z, d);
+          lp[j * P + p] = mx + std::log(Z);
+        }
+        // Gates on ū = Norm([z⁰; z¹]) (eq. 13–14), then the mix (eq. 15).
+        const acc_t r = inv_rms<acc_t>(z.data(), 2 * d, eps);
+        acc_t alpha[2], beta_k[2];
+        for (int k = 0; k < 2; ++k) {
+          alpha[k] = sigmoid(r * dot<acc_t>(wap + k * 2 * d, z.data(), 2 * d) + acc_t(bap[k]));
+          beta_k[k] = acc_t(2) * sigmoid(r * dot<acc_t>(wbp + k * 2 * d, z.data(), 2 * d) + acc_t(bbp[k]));
+          betap[p * 2 + k] = scalar_t(beta_k[k]);
+        }
+        scalar_t* hr = hp + p * d;
+        for (int64_t i = 0; i < d; ++i) hr[i] = scalar_t(alpha[0] * z[i] + alpha[1] * z[d + i]);
+      }
+    });
+  });
+  return {h, beta, lse};
+}
+
+std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::Tensor& grad_beta_,
+                                          const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_,
+                                          const at::Tensor& p0_, const at::Tensor& p1_, const at::Tensor& w_alpha,
+                                          const at::Tensor& b_alpha, const at::Tensor& w_beta,
+                                          const at::Tensor& b_beta, const at::Tensor& lse_, const DarRouting& routing,
+                                          double eps) {
+  const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
+                   p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
+                   ba = b_alpha.contiguous(), wb = w_beta.contiguous(), bb = b_beta.contiguous(),
+                   lse = lse_.contiguous();
+  const int64_t N = h0.size(0), P = h0.size(1), d = h0.size(2), C = N + (p0.defined() ? 1 : 0);
+  const auto acc = acc_type_of(h0);
+  const auto acc_opt = h0.options().dtype(acc);
+  const at::Tensor gh = grad_h_.defined() ? grad_h_.contiguous() : at::zeros({P, d}, h0.options());
+  const at::Tensor gb = grad_beta_.defined() ? grad_beta_.contiguous() : at::zeros({P, 2}, h0.options());
+  // Stream gradients: every token's rows are written by the thread that owns the token.
+  at::Tensor gH0 = at::empty({N, P, d}, acc_opt), gH1 = at::empty({N, P, d}, acc_opt);
+  at::Tensor gP0 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
+  at::Tensor gP1 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
+  // Per-thread partial sums of the token-summed gradients: q [2, d], W_α, W_β [2, 2d], b_α, b_β [2].
+  const int threads = at::get_num_threads();
+  const int64_t part = 2 * d + 8 * d + 4;
+  at::Tensor parts = at::zeros({threads, part}, acc_opt);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h0.scalar_type(), "dar_read_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const Candidates<scalar_t> cand{{h0.const_data_ptr<scalar_t>(), h1.const_data_ptr<scalar_t>()},
+                                    {p0.defined() ? p0.const_data_ptr<scalar_t>() : nullptr,
+                                     p1.defined() ? p1.const_data_ptr<scalar_t>() : nullptr},
+                                    N, P, d};
+    acc_t* grad_completed[2] = {gH0.mutable_data_ptr<acc_t>(), gH1.mutable_data_ptr<acc_t>()};
+    acc_t* grad_partial[2] = {gP0.defined() ? gP0.mutable_data_ptr<acc_t>() : nullptr,
+                              gP1.defined() ? gP1.mutable_data_ptr<acc_t>() : nullptr};
+    auto grad_at = [&](int stream, int64_t c, int64_t p) {
+      return c < N ? grad_completed[stream] + (c * P + p) * d : grad_partial[stream] + p * d;
+    };
+    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *wap = wa.const_data_ptr<scalar_t>(),
+                   *bap = ba.const_data_ptr<scalar_t>(), *wbp = wb.const_data_ptr<scalar_t>(),
+                   *bbp = bb.const_data_ptr<scalar_t>(), *ghp = gh.const_data_ptr<scalar_t>(),
+                   *gbp = gb.const_data_ptr<scalar_t>();
+    const acc_t* lp = lse.const_data_ptr<acc_t>();
+    acc_t* parts_p = parts.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(10 * C * d), [&](int64_t p0i, int64_t p1i) {
+      acc_t* gq = parts_p + int64_t(at::get_thread_num()) * part;  // [2, d]
+      acc_t *gwa = gq + 2 * d, *gwb = gwa + 4 * d, *gba = gwb + 4 * d, *gbb = gba + 2;
+      std::vector<acc_t> s(2 * C), a(2 * C), z(2 * d), gz(2 * d), gu(2 * d);
+      for (int64_t p = p0i; p < p1i; ++p) {
+        for (int st = 0; st < 2; ++st)
+          for (int64_t c = 0; c < C; ++c) {
+            s[st * C + c] = inv_rms<acc_t>(cand.at(st, c, p), d, eps);
+            std::fill_n(grad_at(st, c, p), d, acc_t(0));
+          }
+        // Recompute the reads from ζ: z_j = Σ_c exp(a_c − ζ_j) V_c.
+        for (int j = 0; j < 2; ++j) {
+          const int ks = int(routing.key[j]), vs = int(routing.value[j]);
+          acc_t* zj = z.data() + j * d;
+          std::fill_n(zj, d, acc_t(0));
+          for (int64_t c = 0; c < C; ++c) {
+            a[j * C + c] = s[ks * C + c] * dot<acc_t>(qp + j * d, cand.at(ks, c, p), d);
+            axpy(zj, std::exp(a[j * C + c] - lp[j * P + p]), cand.at(vs, c, p), d);
+          }
+        }
+        // Gates (eq. 13–15).
+        const scalar_t* g = ghp + p * d;
+        const acc_t r = inv_rms<acc_t>(z.data(), 2 * d, eps);
+        std::fill(gu.begin(), gu.end(), acc_t(0));  // ∂ū
+        acc_t alpha[2];
+        for (int k = 0; k < 2; ++k) {
+          alpha[k] = sigmoid(r * dot<acc_t>(wap + k * 2 * d, z.data(), 2 * d) + acc_t(bap[k]));
+          const acc_t beta_half = sigmoid(r * dot<acc_t>(wbp + k * 2 * d, z.data(), 2 * d) + acc_t(bbp[k]));
+          const acc_t dla = dot<acc_t>(g, z.data() + k * d, d) * alpha[k] * (acc_t(1) - alpha[k]);
+          const acc_t dlb = acc_t(gbp[p * 2 + k]) * acc_t(2) * beta_half * (acc_t(1) - beta_half);
+          gba[k] += dla;
+          gbb[k] += dlb;
+          axpy(gwa + k * 2 * d, dla * r, z.data(), 2 * d);  // ∂W = ∂ℓ ū, ū = r u
+          axpy(gwb + k * 2 * d, dlb * r, z.data(), 2 * d);
+          axpy(gu.data(), dla, wap + k * 2 * d, 2 * d);
+          axpy(gu.data(), dlb, wbp + k * 2 * d, 2 * d);
+        }
+        // ∂u = r (∂ū − ū (ū·∂ū) / 2d) with ū = r u.
+        const acc_t c_u = r * r * dot<acc_t>(z.data(), gu.data(), 2 * d) / acc_t(2 * d);
+        for (int64_t i = 0; i < 2 * d; ++i) gz[i] = r * (gu[i] - c_u * z[i]);
+        for (int k = 0; k < 2; ++k) axpy(gz.data() + k * d, alpha[k], g, d);
+        // The reads' backward (eq. A.1–A.5).
+        for (int j = 0; j < 2; ++j) {
+          const int ks = int(routing.key[j]), vs = int(routing.value[j]);
+          const acc_t* gzj = gz.data() + j * d;
+          const scalar_t* qj = qp + j * d;
+          const acc_t g_out = dot<acc_t>(gzj, z.data() + j * d, d);
+          for (int64_t c = 0; c < C; ++c) {
+            const scalar_t *kc = cand.at(ks, c, p), *vc = cand.at(vs, c, p);
+            const acc_t w = std::exp(a[j * C + c] - lp[j * P + p]), sc = s[ks * C + c];
+            const acc_t da = w * (dot<acc_t>(gzj, vc, d) - g_out);
+            axpy(grad_at(vs, c, p), w, gzj, d);
+            axpy(gq + j * d, da * sc, kc, d);
+            acc_t* gk = grad_at(ks, c, p);
+            const acc_t c_k = da * sc * sc * sc * (a[j * C + c] / sc) / acc_t(d);  // a/s = q·K
+            axpy2(gk, da * sc, qj, -c_k, kc, d);
+          }
+        }
+      }
+    });
+  });
+  const auto st = h0.scalar_type();
+  at::Tensor total = parts.sum(0);
+  auto piece = [&](int64_t offset, at::IntArrayRef shape) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    return total.narrow(0, offset, n).view(shape).to(st);
+  };
+  return {piece(0, {2, d}),
+          gH0.to(st),
+          gH1.to(st),
+          gP0.defined() ? gP0.to(st) : at::Tensor(),
+          gP1.defined() ? gP1.to(st) : at::Tensor(),
+          piece(2 * d, {2, 2 * d}),
+          piece(10 * d, {2}),
+          piece(6 * d, {2, 2 * d}),
+          piece(10 * d + 2, {2})};
+}
+
+std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const at::Tensor& beta_,
+                                                     const at::Tensor& p0_, const at::Tensor& p1_,
+                                                     const at::Tensor& w_rho, const at::Tensor& b_rho, double eps) {
+  if (f_.dim() != 2 || beta_.sizes() != at::IntArrayRef{f_.size(0), 2})
+    fail("dar_write: expected f [P, d] and beta [P, 2], got ", f_.sizes(), " and ", beta_.sizes());
+  const int64_t P = f_.size(0), d = f_.size(1);
+  const bool transport = p0_.defined();
+  if (transport && (p0_.sizes() != f_.sizes() || p1_.sizes() != f_.sizes() ||
+                    w_rho.sizes() != at::IntArrayRef{1, 2 * d} || b_rho.sizes() != at::IntArrayRef{1}))
+    fail("dar_write: expected partial streams [", P, ", ", d, "], w_rho [1, ", 2 * d, "] and b_rho [1]");
+  const at::Tensor f = f_.contiguous(), beta = beta_.contiguous(), p0 = contiguous_or_undefined(p0_),
+                   p1 = contiguous_or_undefined(p1_), wr = contiguous_or_undefined(w_rho),
+                   br = contiguous_or_undefined(b_rho);
+  at::Tensor out0 = at::empty({P, d}, f.options()), out1 = at::empty({P, d}, f.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, f.scalar_type(), "dar_write_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *fp = f.const_data_ptr<scalar_t>(), *bp = beta.const_data_ptr<scalar_t>();
+    const scalar_t *pp0 = transport ? p0.const_data_ptr<scalar_t>() : nullptr,
+                   *pp1 = transport ? p1.const_data_ptr<scalar_t>() : nullptr,
+                   *wrp = transport ? wr.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t brv = transport ? acc_t(br.const_data_ptr<scalar_t>()[0]) : acc_t(0);
+    scalar_t *o0 = out0.mutable_data_ptr<scalar_t>(), *o1 = out1.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, P, grain(6 * d), [&](int64_t a, int64_t b) {
+      for (int64_t p = a; p < b; ++p) {
+        const scalar_t* fr = fp + p * d;
+        const acc_t b0 = acc_t(bp[2 * p]), b1 = acc_t(bp[2 * p + 1]);
+        scalar_t *r0 = o0 + p * d, *r1 = o1 + p * d;
+        if (!transport) {
+          for (int64_t i = 0; i < d; ++i) {
+            r0[i] = scalar_t(b0 * acc_t(fr[i]));
+            r1[i] = scalar_t(b1 * acc_t(fr[i]));
+          }
+          continue;
+        }
+        const scalar_t *x0 = pp0 + p * d, *x1 = pp1 + p * d;
+        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(x0, x0, d) + dot<acc_t>(x1, x1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, x0, d) + dot<acc_t>(wrp + d, x1, d)) + brv);
+        for (int64_t i = 0; i < d; ++i) {
+          const acc_t a0 = acc_t(x0[i]), a1 = acc_t(x1[i]), fi = acc_t(fr[i]);
+          r0[i] = scalar_t(rho * a0 + (acc_t(1) - rho) * a1 + b0 * fi);
+          r1[i] = scalar_t((acc_t(1) - rho) * a0 + rho * a1 + b1 * fi);
+        }
+      }
+    });
+  });
+  return {out0, out1};
+}
+
+std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::Tensor& grad1_, const at::Tensor& f_,
+                                           const at::Tensor& beta_, const at::Tensor& p0_, const at::Tensor& p1_,
+                                           const at::Tensor& w_rho, const at::Tensor& b_rho, double eps) {
+  const int64_t P = f_.size(0), d = f_.size(1);
+  const bool transport = p0_.defined();
+  const auto acc = acc_type_of(f_);
+  const auto acc_opt = f_.options().dtype(acc);
+  const at::Tensor g0 = grad0_.defined() ? grad0_.contiguous() : at::zeros({P, d}, f_.options());
+  const at::Tensor g1 = grad1_.defined() ? grad1_.contiguous() : at::zeros({P, d}, f_.options());
+  const at::Tensor f = f_.contiguous(), beta = beta_.contiguous(), p0 = contiguous_or_undefined(p0_),
+                   p1 = contiguous_or_undefined(p1_), wr = contiguous_or_undefined(w_rho),
+                   br = contiguous_or_undefined(b_rho);
+  at::Tensor gf = at::empty({P, d}, acc_opt), gbeta = at::empty({P, 2}, acc_opt);
+  at::Tensor gp0 = transport ? at::empty({P, d}, acc_opt) : at::Tensor();
+  at::Tensor gp1 = transport ? at::empty({P, d}, acc_opt) : at::Tensor();
+  const int threads = at::get_num_threads();
+  at::Tensor parts = at::zeros({threads, 2 * d + 1}, acc_opt);  // ∂w_ρ [2d], ∂b_ρ
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, f.scalar_type(), "dar_write_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *fp = f.const_data_ptr<scalar_t>(), *bp = beta.const_data_ptr<scalar_t>(),
+                   *g0p = g0.const_data_ptr<scalar_t>(), *g1p = g1.const_data_ptr<scalar_t>();
+    const scalar_t *pp0 = transport ? p0.const_data_ptr<scalar_t>() : nullptr,
+                   *pp1 = transport ? p1.const_data_ptr<scalar_t>() : nullptr,
+                   *wrp = transport ? wr.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t brv = transport ? acc_t(br.const_data_ptr<scalar_t>()[0]) : acc_t(0);
+    acc_t *gfp = gf.mutable_data_ptr<acc_t>(), *gbp = gbeta.mutable_data_ptr<acc_t>();
+    acc_t *gp0p = transport ? gp0.mutable_data_ptr<acc_t>() : nullptr,
+          *gp1p = transport ? gp1.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* parts_p = parts.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(10 * d), [&](int64_t a, int64_t b) {
+      acc_t* gw = parts_p + int64_t(at::get_thread_num()) * (2 * d + 1);
+      for (int64_t p = a; p < b; ++p) {
+        const scalar_t *fr = fp + p * d, *x0 = g0p + p * d, *x1 = g1p + p * d;
+        const acc_t b0 = acc_t(bp[2 * p]), b1 = acc_t(bp[2 * p + 1]);
+        acc_t* gfr = gfp + p * d;
+        for (int64_t i = 0; i < d; ++i) gfr[i] = b0 * acc_t(x0[i]) + b1 * acc_t(x1[i]);
+        gbp[2 * p] = dot<acc_t>(x0, fr, d);
+        gbp[2 * p + 1] = dot<acc_t>(x1, fr, d);
+        if (!transport) continue;
+        const scalar_t *a0 = pp0 + p * d, *a1 = pp1 + p * d;
+        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(a0, a0, d) + dot<acc_t>(a1, a1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, a0, d) + dot<acc_t>(wrp + d, a1, d)) + brv);
+        const acc_t drho = dot_of_differences<acc_t>(x0, x1, a0, a1, d);  // (g⁰ − g¹)·(P⁰ − P¹)
+        const acc_t dl = drho * rho * (acc_t(1) - rho);
+        gw[2 * d] += dl;
+        axpy(gw, dl * r, a0, d);
+        axpy(gw + d, dl * r, a1, d);
+        // ∂u = r (∂ū − ū (ū·∂ū)/2d), ∂ū = dl w_ρ, ū = r u.
+        const acc_t c_u = r * r * dl * (dot<acc_t>(wrp, a0, d) + dot<acc_t>(wrp + d, a1, d)) / acc_t(2 * d);
+        acc_t *o0 = gp0p + p * d, *o1 = gp1p + p * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const acc_t y0 = acc_t(x0[i]), y1 = acc_t(x1[i]);
+          o0[i] = rho * y0 + (acc_t(1) - rho) * y1 + r * (dl * acc_t(wrp[i]) - c_u * acc_t(a0[i]));
+          o1[i] = (acc_t(1) - rho) * y0 + rho * y1 + r * (dl * acc_t(wrp[d + i]) - c_u * acc_t(a1[i]));
+        }
+      }
+    });
+  });
+  const auto st = f.scalar_type();
+  at::Tensor gw_total = parts.sum(0);
+  if (!transport) return {gf.to(st), gbeta.to(st), {}, {}, {}, {}};
+  return {gf.to(st), gbeta.to(st), gp0.to(st), gp1.to(st), gw_total.narrow(0, 0, 2 * d).view({1, 2 * d}).to(st),
+          gw_total.narrow(0, 2 * d, 1).to(st)};
+}
+
+}  // namespace depthkit::cpu

@@ -1,0 +1,202 @@
+// DAR's fused operators: schemas, CPU kernels (ops/cpu/dar_cpu.cpp) and Autograd kernels whose
+// backward is the hand-written backward operator.
+//
+//   depthkit::dar_read(Tensor queries, Tensor h0, Tensor h1, Tensor? p0, Tensor? p1, Tensor w_alpha,
+//                      Tensor b_alpha, Tensor w_beta, Tensor b_beta, int[] key_stream,
+//                      int[] value_stream, float eps) -> (Tensor h, Tensor beta, Tensor log_partition)
+//   depthkit::dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho,
+//                       float eps) -> (Tensor p0, Tensor p1)
+//   and their *_backward operators.
+#include "depthkit/ops/dar_ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "depthkit/ops/cpu/dar_cpu.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+using ReadSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double);
+using ReadBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+                                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double);
+using WriteSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                    const OptTensor&, const OptTensor&, const OptTensor&, double);
+using WriteBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
+                                             const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                             double);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor unwrap(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+OptTensor wrap(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+cpu::DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
+  if (key.size() != 2 || value.size() != 2) fail("dar_read: key_stream and value_stream must name 2 streams each");
+  for (int64_t s : {key[0], key[1], value[0], value[1]})
+    if (s != 0 && s != 1) fail("dar_read: stream indices must be 0 or 1, got ", s);
+  return {{key[0], key[1]}, {value[0], value[1]}};
+}
+
+// ---- CPU kernels behind the schemas -------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_cpu(const at::Tensor& q, const at::Tensor& h0,
+                                                            const at::Tensor& h1, const OptTensor& p0,
+                                                            const OptTensor& p1, const at::Tensor& wa,
+                                                            const at::Tensor& ba, const at::Tensor& wb,
+                                                            const at::Tensor& bb, at::IntArrayRef key,
+                                                            at::IntArrayRef value, double eps) {
+  return cpu::dar_read_forward(q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, routing_of(key, value), eps);
+}
+
+std::vector<at::Tensor> dar_read_backward_cpu(const OptTensor& gh, const OptTensor& gb, const at::Tensor& q,
+                                              const at::Tensor& h0, const at::Tensor& h1, const OptTensor& p0,
+                                              const OptTensor& p1, const at::Tensor& wa, const at::Tensor& ba,
+                                              const at::Tensor& wb, const at::Tensor& bb, const at::Tensor& lse,
+                                              at::IntArrayRef key, at::IntArrayRef value, double eps) {
+  return cpu::dar_read_backward(unwrap(gh), unwrap(gb), q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, lse,
+                                routing_of(key, value), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> dar_write_cpu(const at::Tensor& f, const at::Tensor& beta, const OptTensor& p0,
+                                                 const OptTensor& p1, const OptTensor& w_rho, const OptTensor& b_rho,
+                                                 double eps) {
+  return cpu::dar_write_forward(f, beta, unwrap(p0), unwrap(p1), unwrap(w_rho), unwrap(b_rho), eps);
+}
+
+std::vector<at::Tensor> dar_write_backward_cpu(const OptTensor& g0, const OptTensor& g1, const at::Tensor& f,
+                                               const at::Tensor& beta, const OptTensor& p0, const OptTensor& p1,
+                                               const OptTensor& w_rho, const OptTensor& b_rho, double eps) {
+  return cpu::dar_write_backward(unwrap(g0), unwrap(g1), f, beta, unwrap(p0), unwrap(p1), unwrap(w_rho),
+                                 unwrap(b_rho), eps);
+}
+
+// ---- Autograd: forward through the dispatcher, backward = the hand-written backward op ----------
+
+class DarReadFunction : public torch::autograd::Function<DarReadFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1,
+                               const OptTensor& p0, const OptTensor& p1, const at::Tensor& wa, const at::Tensor& ba,
+                               const at::Tensor& wb, const at::Tensor& bb, at::IntArrayRef key, at::IntArrayRef value,
+                               double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto read = op<ReadSig>("depthkit::dar_read");
+    auto [h, beta, lse] = read.call(q, h0, h1, p0, p1, wa, ba, wb, bb, key, value, eps);
+    // The inputs and ζ only: normalised keys, weights and the retrieved states are recomputed.
+    ctx->save_for_backward({q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, lse});
+    ctx->saved_data["key"] = key.vec();
+    ctx->saved_data["value"] = value.vec();
+    ctx->saved_data["eps"] = eps;
+    ctx->mark_non_differentiable({lse});
+    return {h, beta, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto back = op<ReadBackSig>("depthkit::dar_read_backward");
+    auto s = ctx->get_saved_variables();
+    auto key = ctx->saved_data["key"].toIntVector(), value = ctx->saved_data["value"].toIntVector();
+    auto g = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], s[2], wrap(s[3]), wrap(s[4]), s[5], s[6], s[7],
+                       s[8], s[9], key, value, ctx->saved_data["eps"].toDouble());
+    return {g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class DarWriteFunction : public torch::autograd::Function<DarWriteFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& f, const at::Tensor& beta, const OptTensor& p0,
+                               const OptTensor& p1, const OptTensor& w_rho, const OptTensor& b_rho, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto write = op<WriteSig>("depthkit::dar_write");
+    auto [o0, o1] = write.call(f, beta, p0, p1, w_rho, b_rho, eps);
+    ctx->save_for_backward({f, beta, unwrap(p0), unwrap(p1), unwrap(w_rho), unwrap(b_rho)});
+    ctx->saved_data["eps"] = eps;
+    return {o0, o1};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto back = op<WriteBackSig>("depthkit::dar_write_backward");
+    auto s = ctx->get_saved_variables();
+    auto g = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], wrap(s[2]), wrap(s[3]), wrap(s[4]), wrap(s[5]),
+                       ctx->saved_data["eps"].toDouble());
+    return {g[0], g[1], g[2], g[3], g[4], g[5], at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_autograd(const at::Tensor& q, const at::Tensor& h0,
+                                                                 const at::Tensor& h1, const OptTensor& p0,
+                                                                 const OptTensor& p1, const at::Tensor& wa,
+                                                                 const at::Tensor& ba, const at::Tensor& wb,
+                                                                 const at::Tensor& bb, at::IntArrayRef key,
+                                                                 at::IntArrayRef value, double eps) {
+  auto r = DarReadFunction::apply(q, h0, h1, p0, p1, wa, ba, wb, bb, key, value, eps);
+  return {r[0], r[1], r[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor> dar_write_autograd(const at::Tensor& f, const at::Tensor& beta,
+                                                      const OptTensor& p0, const OptTensor& p1,
+                                                      const OptTensor& w_rho, const OptTensor& b_rho, double eps) {
+  auto r = DarWriteFunction::apply(f, beta, p0, p1, w_rho, b_rho, eps);
+  return {r[0], r[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(depthkit, m) {
+  m.def("dar_read(Tensor queries, Tensor h0, Tensor h1, Tensor? p0, Tensor? p1, Tensor w_alpha, Tensor b_alpha, "
+        "Tensor w_beta, Tensor b_beta, int[] key_stream, int[] value_stream, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("dar_read_backward(Tensor? grad_h, Tensor? grad_beta, Tensor queries, Tensor h0, Tensor h1, Tensor? p0, "
+        "Tensor? p1, Tensor w_alpha, Tensor b_alpha, Tensor w_beta, Tensor b_beta, Tensor log_partition, "
+        "int[] key_stream, int[] value_stream, float eps) -> Tensor[]");
+  m.def("dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho, float eps) "
+        "-> (Tensor, Tensor)");
+  m.def("dar_write_backward(Tensor? grad0, Tensor? grad1, Tensor f, Tensor beta, Tensor? p0, Tensor? p1, "
+        "Tensor? w_rho, Tensor? b_rho, float eps) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
+  m.impl("dar_read", &dar_read_cpu);
+  m.impl("dar_read_backward", &dar_read_backward_cpu);
+  m.impl("dar_write", &dar_write_cpu);
+  m.impl("dar_write_backward", &dar_write_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
+  m.impl("dar_read", &dar_read_autograd);
+  m.impl("dar_write", &dar_write_autograd);
+}
+
+namespace fused {
+
+DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+                 const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
+                 const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
+                 const std::array<int64_t, 2>& value_stream, double eps) {
+  static auto read = op<ReadSig>("depthkit::dar_read");
+  auto [h, beta, lse] = read.call(queries, h0, h1, wrap(p0), wrap(p1), w_alpha, b_alpha, w_beta, b_beta, key_stream,
+                                  value_stream, eps);
+  return {h, beta, lse};
+}
+
+std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tensor& beta, const at::Tensor& p0,
+                                            const at::Tensor& p1, const at::Tensor& w_rho, const at::Tensor& b_rho,
+                                            double eps) {
+  static auto write = op<WriteSig>("depthkit::dar_write");
+  auto [o0, o1] = write.call(f, beta, wrap(p0), wrap(p1), wrap(w_rho), wrap(b_rho), eps);
+  return {o0, o1};
+}
+
+}  // namespace fused
+
+}  // namespace depthkit

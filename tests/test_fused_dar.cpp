@@ -1,0 +1,230 @@
+// DAR's fused read and write operators (ops/dar_ops.h) against a composition of reference ATen
+// ops (DAR eq. 10–17 written with ops/depth_attention.h, autograd for the backward): forward and
+// every gradient in float64 (1e-10) and float32 (1e-5), every routing, with and without the
+// partial; a finite-difference gradient check in float64. The whole pathway is compared with the
+// equations in test_pathways.cpp (Dar.EqualsTheEquations runs both implementations).
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <functional>
+
+#include "depthkit/ops/dar_ops.h"
+#include "depthkit/ops/depth_attention.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
+  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": gradient missing";
+  const double scale = std::max(1.0, b.abs().max().item<double>());
+  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+  if (err <= rtol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
+}
+
+// Inputs of one read: q, h0, h1, [p0, p1], w_α, b_α, w_β, b_β.
+struct ReadInputs {
+  std::vector<at::Tensor> t;
+  bool partial;
+};
+
+ReadInputs random_read(int64_t N, int64_t P, int64_t d, bool partial, at::ScalarType dtype, uint64_t seed) {
+  auto g = generator(seed);
+  const auto o = at::TensorOptions().dtype(dtype);
+  ReadInputs in{{at::randn({2, d}, g, o) * 1.5, at::randn({N, P, d}, g, o), at::randn({N, P, d}, g, o)}, partial};
+  if (partial) {
+    in.t.push_back(at::randn({P, d}, g, o));
+    in.t.push_back(at::randn({P, d}, g, o));
+  }
+  for (int k = 0; k < 2; ++k) {
+    in.t.push_back(at::randn({2, 2 * d}, g, o) * 0.7);
+    in.t.push_back(at::randn({2}, g, o));
+  }
+  return in;
+}
+
+std::pair<at::Tensor, at::Tensor> fused_read(const std::vector<at::Tensor>& t, bool partial, std::array<int64_t, 2> key,
+                                             std::array<int64_t, 2> value) {
+  const size_t w = partial ? 5 : 3;
+  fused::DarRead r = fused::dar_read(t[0], t[1], t[2], partial ? t[3] : at::Tensor(), partial ? t[4] : at::Tensor(),
+                                     t[w], t[w + 1], t[w + 2], t[w + 3], key, value, kKeyNormEps);
+  return {r.h, r.beta};
+}
+
+// eq. 10–15 from the reference primitive: per stream a completed read merged with the partial.
+std::pair<at::Tensor, at::Tensor> reference_read(const std::vector<at::Tensor>& t, bool partial,
+                                                 std::array<int64_t, 2> key, std::array<int64_t, 2> value) {
+  const size_t w = partial ? 5 : 3;
+  at::Tensor z[2];
+  for (int j = 0; j < 2; ++j) {
+    DepthRead hist = depth_read(t[0][j], t[1 + key[j]], t[1 + value[j]]);
+    z[j] = partial ? merge_partial(hist, t[0][j], t[3 + key[j]], t[3 + value[j]]) : hist.out;
+  }
+  at::Tensor hbar = key_norm(at::cat({z[0], z[1]}, -1));
+  at::Tensor alpha = at::sigmoid(at::linear(hbar, t[w], t[w + 1]));
+  at::Tensor beta = 2.0 * at::sigmoid(at::linear(hbar, t[w + 2], t[w + 3]));
+  return {alpha.select(-1, 0).unsqueeze(-1) * z[0] + alpha.select(-1, 1).unsqueeze(-1) * z[1], beta};
+}
+
+using Fn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+// Runs `fused` and `reference` (scalar losses of the same inputs) and compares value and gradients.
+void compare(const std::vector<at::Tensor>& inputs, const Fn& fused_loss, const Fn& reference_loss, double rtol) {
+  std::vector<at::Tensor> a, b;
+  for (const auto& x : inputs) {
+    a.push_back(x.detach().clone().requires_grad_());
+    b.push_back(x.detach().clone().requires_grad_());
+  }
+  at::Tensor la = fused_loss(a), lb = reference_loss(b);
+  EXPECT_TRUE(near(la, lb, rtol, "loss"));
+  la.backward();
+  lb.backward();
+  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, cat("d input ", i)));
+}
+
+// A loss that weighs every output element differently, so every gradient path is exercised.
+at::Tensor weighted(const at::Tensor& x, uint64_t seed) {
+  return (x * at::randn(x.sizes(), generator(seed), x.options().requires_grad(false))).sum();
+}
+
+const std::array<std::array<int64_t, 2>, 2> kRoutings[] = {
+    {{{1, 0}, {0, 1}}},  // DAR: cross-stream key, self value
+    {{{0, 1}, {0, 1}}},  // SelfKV
+    {{{0, 1}, {1, 0}}},  // CrossV
+    {{{0, 0}, {1, 1}}},  // FixedKV
+};
+
+void compare_read(int64_t N, int64_t P, int64_t d, bool partial, at::ScalarType dtype, double rtol) {
+  for (const auto& routing : kRoutings) {
+    const std::array<int64_t, 2> key = routing[0], value = routing[1];
+    SCOPED_TRACE(cat("N ", N, " P ", P, " d ", d, " partial ", partial, " key ", key[0], key[1], " value ", value[0],
+                     value[1]));
+    ReadInputs in = random_read(N, P, d, partial, dtype, N * 100 + P * 10 + d);
+    auto loss = [&](auto read) {
+      return [&, read](const std::vector<at::Tensor>& t) {
+        auto [h, beta] = read(t, partial, key, value);
+        return weighted(h, 1) + weighted(beta, 2);
+      };
+    };
+    compare(in.t, loss(fused_read), loss(reference_read), rtol);
+  }
+}
+
+// eq. 16–17: the write, fused and from ATen ops.
+std::vector<at::Tensor> random_write(int64_t P, int64_t d, bool transport, at::ScalarType dtype, uint64_t seed) {
+  auto g = generator(seed);
+  const auto o = at::TensorOptions().dtype(dtype);
+  std::vector<at::Tensor> t = {at::randn({P, d}, g, o), at::rand({P, 2}, g, o) * 2};
+  if (transport)
+    for (auto shape : {std::vector<int64_t>{P, d}, {P, d}, {1, 2 * d}, {1}}) t.push_back(at::randn(shape, g, o));
+  return t;
+}
+
+at::Tensor fused_write_loss(const std::vector<at::Tensor>& t) {
+  const bool transport = t.size() > 2;
+  auto [p0, p1] = fused::dar_write(t[0], t[1], transport ? t[2] : at::Tensor(), transport ? t[3] : at::Tensor(),
+                                   transport ? t[4] : at::Tensor(), transport ? t[5] : at::Tensor(), kKeyNormEps);
+  return weighted(p0, 3) + weighted(p1, 4);
+}
+
+at::Tensor reference_write_loss(const std::vector<at::Tensor>& t) {
+  at::Tensor w0 = t[1].select(-1, 0).unsqueeze(-1) * t[0], w1 = t[1].select(-1, 1).unsqueeze(-1) * t[0];
+  if (t.size() > 2) {
+    at::Tensor rho = at::sigmoid(at::linear(key_norm(at::cat({t[2], t[3]}, -1)), t[4], t[5]));
+    w0 = w0 + rho * t[2] + (1.0 - rho) * t[3];
+    w1 = w1 + (1.0 - rho) * t[2] + rho * t[3];
+  }
+  return weighted(w0, 3) + weighted(w1, 4);
+}
+
+// Central differences of a scalar function of `inputs` against its autograd gradient.
+void gradcheck(const std::vector<at::Tensor>& inputs, const Fn& f) {
+  std::vector<at::Tensor> leaves;
+  for (const auto& x : inputs) leaves.push_back(x.clone().requires_grad_());
+  f(leaves).backward();
+  const double h = 1e-6;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    at::Tensor numeric = at::zeros_like(inputs[i]);
+    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
+      auto plus = inputs, minus = inputs;
+      plus[i] = inputs[i].clone();
+      minus[i] = inputs[i].clone();
+      plus[i].view(-1)[j] += h;
+      minus[i].view(-1)[j] -= h;
+      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
+    }
+    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
+  }
+}
+
+}  // namespace
+
+TEST(FusedDar, ReadEqualsReference) {
+  for (auto [N, P, d] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 7}, std::tuple{3, 5, 9}, std::tuple{6, 17, 16}})
+    for (bool partial : {false, true}) {
+      compare_read(N, P, d, partial, at::kDouble, 1e-10);
+      compare_read(N, P, d, partial, at::kFloat, 1e-5);
+    }
+}
+
+TEST(FusedDar, WriteEqualsReference) {
+  for (auto [P, d] : {std::tuple{1, 1}, std::tuple{5, 7}, std::tuple{33, 16}})
+    for (bool transport : {false, true}) {
+      SCOPED_TRACE(cat("P ", P, " d ", d, " transport ", transport));
+      compare(random_write(P, d, transport, at::kDouble, P + d), fused_write_loss, reference_write_loss, 1e-10);
+      compare(random_write(P, d, transport, at::kFloat, P + d), fused_write_loss, reference_write_loss, 1e-5);
+    }
+}
+
+TEST(FusedDar, GradcheckFloat64) {
+  for (bool partial : {false, true}) {
+    ReadInputs in = random_read(3, 4, 5, partial, at::kDouble, 7);
+    gradcheck(in.t, [&](const std::vector<at::Tensor>& t) {
+      auto [h, beta] = fused_read(t, partial, {1, 0}, {0, 1});
+      return weighted(h, 5) + weighted(beta, 6);
+    });
+    gradcheck(random_write(4, 5, partial, at::kDouble, 8), fused_write_loss);
+  }
+}
+
+TEST(FusedDar, BFloat16WithinItsPrecision) {
+  ReadInputs in = random_read(5, 32, 64, true, at::kFloat, 9);
+  std::vector<at::Tensor> bf, back;
+  for (const auto& x : in.t) {
+    bf.push_back(x.to(at::kBFloat16));
+    back.push_back(bf.back().to(at::kFloat));
+  }
+  auto [h, beta] = fused_read(bf, true, {1, 0}, {0, 1});
+  auto [ref_h, ref_beta] = reference_read(back, true, {1, 0}, {0, 1});
+  EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(near(h, ref_h, 2e-2, "bf16 h"));  // bf16 output rounding
+  EXPECT_TRUE(near(beta, ref_beta, 2e-2, "bf16 beta"));
+}
+
+TEST(FusedDar, BadShapesAreClearErrors) {
+  ReadInputs in = random_read(2, 3, 4, true, at::kFloat, 10);
+  auto t = in.t;
+  expect_error([&] { fused::dar_read(t[0], t[1], t[2].narrow(0, 0, 1), t[3], t[4], t[5], t[6], t[7], t[8], {1, 0},
+                                     {0, 1}, kKeyNormEps); },
+               {"dar_read", "h0, h1"});
+  expect_error([&] { fused::dar_read(t[0], t[1], t[2], t[3], at::Tensor(), t[5], t[6], t[7], t[8], {1, 0}, {0, 1},
+                                     kKeyNormEps); },
+               {"dar_read", "both partial streams"});
+  expect_error([&] { fused::dar_read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 2}, {0, 1},
+                                     kKeyNormEps); },
+               {"dar_read", "0 or 1, got 2"});
+}
+
+}  // namespace depthkit::test
