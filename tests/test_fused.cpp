@@ -106,6 +106,31 @@ TEST(FusedDepthMerge, EqualsOneSoftmaxOverAllCandidates) {
   }
 }
 
+// Values left undefined are the keys (AttnRes): one gradient, equal to the sum of both roles'.
+TEST(FusedDepthRead, SharedValuesEqualReference) {
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    const double rtol = dtype == at::kDouble ? 1e-10 : 1e-5;
+    auto g = generator(21);
+    const auto opt = at::TensorOptions().dtype(dtype);
+    at::Tensor q = (at::randn({2, 9}, g, opt) * 1.5).requires_grad_(), src = at::randn({4, 7, 9}, g, opt).requires_grad_();
+    at::Tensor part = at::randn({7, 9}, g, opt).requires_grad_();
+    at::Tensor q2 = q.detach().clone().requires_grad_(), src2 = src.detach().clone().requires_grad_(),
+               part2 = part.detach().clone().requires_grad_();
+    auto [out, lse] = fused::depth_read(q, src, at::Tensor(), kKeyNormEps);
+    at::Tensor h = fused::depth_merge(out[1], lse[1], q[1], part, at::Tensor(), kKeyNormEps);
+    auto [ref_out, ref_lse] = reference_read(q2, src2, src2);
+    at::Tensor ref_h = depth_read(q2[1], at::cat({src2, part2.unsqueeze(0)}), at::cat({src2, part2.unsqueeze(0)})).out;
+    EXPECT_TRUE(near(out, ref_out, rtol, "out"));
+    EXPECT_TRUE(near(h, ref_h, rtol, "merged"));
+    at::Tensor w = at::randn(out.sizes(), g, opt), wh = at::randn(h.sizes(), g, opt);
+    ((out * w).sum() + lse.sum() + (h * wh).sum()).backward();
+    ((ref_out * w).sum() + ref_lse.sum() + (ref_h * wh).sum()).backward();
+    EXPECT_TRUE(near(q.grad(), q2.grad(), rtol, "d queries"));
+    EXPECT_TRUE(near(src.grad(), src2.grad(), rtol, "d sources"));
+    EXPECT_TRUE(near(part.grad(), part2.grad(), rtol, "d partial"));
+  }
+}
+
 // Central finite differences in float64 against the hand-written backward (gradcheck).
 TEST(FusedDepthRead, GradcheckFloat64) {
   auto g = generator(11);
@@ -117,7 +142,10 @@ TEST(FusedDepthRead, GradcheckFloat64) {
   auto f = [&](const std::vector<at::Tensor>& in) {
     auto [out, lse] = fused::depth_read(in[0], in[1], in[2], kKeyNormEps);
     at::Tensor h = fused::depth_merge(out[1], lse[1], in[0][1], in[3], in[4], kKeyNormEps);
-    return (h * w).sum() + (out[0] * w).sum() + lse.sum();
+    auto [shared_out, shared_lse] = fused::depth_read(in[0], in[1], at::Tensor(), kKeyNormEps);  // values = keys
+    at::Tensor shared_h = fused::depth_merge(shared_out[0], shared_lse[0], in[0][0], in[3], at::Tensor(), kKeyNormEps);
+    return (h * w).sum() + (out[0] * w).sum() + lse.sum() + (shared_h * w).sum() + (shared_out[1] * w).sum() +
+           shared_lse.sum();
   };
   std::vector<at::Tensor> leaves;
   for (auto& t : inputs) leaves.push_back(t.clone().requires_grad_());

@@ -1,5 +1,5 @@
-// DAR's fused read and write operators (ops/dar_ops.h) against a composition of reference ATen
-// ops (DAR eq. 10–17 written with ops/depth_attention.h, autograd for the backward): forward and
+// DAR's fused read and write operators (ops/dar_ops.h) against the reference compositions of
+// ATen ops with the same signatures (ops/dar_reference.cpp, autograd for the backward): forward and
 // every gradient in float64 (1e-10) and float32 (1e-5), every routing, with and without the
 // partial; a finite-difference gradient check in float64. The whole pathway is compared with the
 // equations in test_pathways.cpp (Dar.EqualsTheEquations runs both implementations).
@@ -62,19 +62,13 @@ std::pair<at::Tensor, at::Tensor> fused_read(const std::vector<at::Tensor>& t, b
   return {r.h, r.beta};
 }
 
-// eq. 10–15 from the reference primitive: per stream a completed read merged with the partial.
 std::pair<at::Tensor, at::Tensor> reference_read(const std::vector<at::Tensor>& t, bool partial,
                                                  std::array<int64_t, 2> key, std::array<int64_t, 2> value) {
   const size_t w = partial ? 5 : 3;
-  at::Tensor z[2];
-  for (int j = 0; j < 2; ++j) {
-    DepthRead hist = depth_read(t[0][j], t[1 + key[j]], t[1 + value[j]]);
-    z[j] = partial ? merge_partial(hist, t[0][j], t[3 + key[j]], t[3 + value[j]]) : hist.out;
-  }
-  at::Tensor hbar = key_norm(at::cat({z[0], z[1]}, -1));
-  at::Tensor alpha = at::sigmoid(at::linear(hbar, t[w], t[w + 1]));
-  at::Tensor beta = 2.0 * at::sigmoid(at::linear(hbar, t[w + 2], t[w + 3]));
-  return {alpha.select(-1, 0).unsqueeze(-1) * z[0] + alpha.select(-1, 1).unsqueeze(-1) * z[1], beta};
+  fused::DarRead r = reference::dar_read(t[0], t[1], t[2], partial ? t[3] : at::Tensor(),
+                                         partial ? t[4] : at::Tensor(), t[w], t[w + 1], t[w + 2], t[w + 3], key, value,
+                                         kKeyNormEps);
+  return {r.h, r.beta};
 }
 
 using Fn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
@@ -139,13 +133,10 @@ at::Tensor fused_write_loss(const std::vector<at::Tensor>& t) {
 }
 
 at::Tensor reference_write_loss(const std::vector<at::Tensor>& t) {
-  at::Tensor w0 = t[1].select(-1, 0).unsqueeze(-1) * t[0], w1 = t[1].select(-1, 1).unsqueeze(-1) * t[0];
-  if (t.size() > 2) {
-    at::Tensor rho = at::sigmoid(at::linear(key_norm(at::cat({t[2], t[3]}, -1)), t[4], t[5]));
-    w0 = w0 + rho * t[2] + (1.0 - rho) * t[3];
-    w1 = w1 + (1.0 - rho) * t[2] + rho * t[3];
-  }
-  return weighted(w0, 3) + weighted(w1, 4);
+  const bool transport = t.size() > 2;
+  auto [p0, p1] = reference::dar_write(t[0], t[1], transport ? t[2] : at::Tensor(), transport ? t[3] : at::Tensor(),
+                                       transport ? t[4] : at::Tensor(), transport ? t[5] : at::Tensor(), kKeyNormEps);
+  return weighted(p0, 3) + weighted(p1, 4);
 }
 
 // Central differences of a scalar function of `inputs` against its autograd gradient.

@@ -1,40 +1,109 @@
-// depthkit bench: median training-step time, tokens/s and peak memory.
+// depthkit bench: median training-step time, tokens/s and peak memory, for one pathway kind or
+// several interleaved (--kinds); or the fused operators against their references (--ops).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
+#include "depthkit/ops/op_bench.h"
 #include "depthkit/train/bench.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit::cli {
 
+namespace {
+
+std::vector<std::string> split_kinds(const std::string& list) {
+  std::vector<std::string> kinds;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (end == start) fail("--kinds: empty kind in \"", list, "\"");
+    kinds.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  return kinds;
+}
+
+int print_ops(const std::string& shapes, int64_t repeats, bool json) {
+  OpBenchReport r = bench_ops(shapes, repeats);
+  if (json) {
+    nlohmann::json j = {{"ops", nlohmann::json::array()}, {"bandwidth", nlohmann::json::array()}};
+    for (const auto& o : r.ops)
+      j["ops"].push_back({{"op", o.op}, {"shape", o.shape}, {"reference_ms", o.reference_ms}, {"fused_ms", o.fused_ms},
+                          {"speedup", o.speedup()}});
+    for (const auto& b : r.bandwidth)
+      j["bandwidth"].push_back({{"shape", b.shape}, {"bytes", b.bytes}, {"fused_ms", b.fused_ms}, {"gbs", b.gbs()},
+                                {"copy_gbs", b.copy_gbs}, {"fraction_of_copy", b.gbs() / b.copy_gbs}});
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("%-12s %-28s %14s %10s %8s   (forward + backward, medians of %lld)\n", "op", "shape", "reference ms",
+              "fused ms", "speedup", (long long)repeats);
+  for (const auto& o : r.ops)
+    std::printf("%-12s %-28s %14.3f %10.3f %7.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms, o.fused_ms,
+                o.speedup());
+  std::printf("\nfused depth_read forward bandwidth against a plain copy in the same run:\n");
+  for (const auto& b : r.bandwidth)
+    std::printf("%-28s %8.3f ms  %6.2f GB/s  copy %6.2f GB/s  %5.1f%% of copy\n", b.shape.c_str(), b.fused_ms, b.gbs(),
+                b.copy_gbs, 100.0 * b.gbs() / b.copy_gbs);
+  return 0;
+}
+
+}  // namespace
+
 void add_bench(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("bench", "time training steps on random tokens");
+  auto* cmd = app.add_subcommand("bench", "time training steps on random tokens, or the fused operators (--ops)");
   struct Args {
-    std::string config;
+    std::string config, kinds, ops;
     std::vector<std::string> sets;
     int64_t steps = 20, warmup = 3;
     bool json = false;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--config", a->config, "TOML config")->required();
+  cmd->add_option("--config", a->config, "TOML config");
   add_set_option(cmd, a->sets);
-  cmd->add_option("--steps", a->steps, "timed steps")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  cmd->add_option("--kinds", a->kinds,
+                  "comma-separated residual kinds to time interleaved, overheads against the first "
+                  "(e.g. residual,attnres,dar,msar,mhc)");
+  cmd->add_option("--ops", a->ops, "time each fused operator against its reference: tiny, 0.1b or all");
+  cmd->add_option("--steps", a->steps, "timed steps (repeats with --ops)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_option("--warmup", a->warmup, "untimed warm-up steps")->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   cmd->add_flag("--json", a->json, "print JSON");
   cmd->callback([&action, a] {
     action = [a] {
+      if (!a->ops.empty()) return print_ops(a->ops, a->steps, a->json);
+      if (a->config.empty()) fail("bench: --config is required (or --ops to time the operators)");
       Config cfg = Config::load(a->config, a->sets);
-      BenchResult r = run_bench(cfg, a->steps, a->warmup);
+      std::vector<BenchResult> results =
+          a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup)}
+                           : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup);
+      const double base = results[0].median_step_s;
       if (a->json) {
-        nlohmann::json j = {{"kind", cfg.residual.kind},         {"median_step_s", r.median_step_s},
-                            {"tokens_per_s", r.tokens_per_s},   {"tokens_per_step", r.tokens_per_step},
-                            {"peak_rss_bytes", r.peak_rss_bytes}, {"step_s", r.step_s}};
-        std::printf("%s\n", j.dump().c_str());
-      } else {
-        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak RSS %.1f MiB (%lld steps after %lld warm-up)\n",
-                    cfg.residual.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
-                    double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps, (long long)a->warmup);
+        nlohmann::json runs = nlohmann::json::array();
+        for (const auto& r : results)
+          runs.push_back({{"kind", r.kind},
+                          {"median_step_s", r.median_step_s},
+                          {"tokens_per_s", r.tokens_per_s},
+                          {"tokens_per_step", r.tokens_per_step},
+                          {"overhead", r.median_step_s / base - 1.0},
+                          {"peak_rss_bytes", r.peak_rss_bytes},
+                          {"step_s", r.step_s}});
+        std::printf("%s\n", (a->kinds.empty() ? runs[0] : nlohmann::json{{"runs", runs}}).dump().c_str());
+        return 0;
       }
+      if (a->kinds.empty()) {
+        const BenchResult& r = results[0];
+        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak RSS %.1f MiB (%lld steps after %lld warm-up)\n",
+                    r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_rss_bytes) / (1 << 20),
+                    (long long)a->steps, (long long)a->warmup);
+        return 0;
+      }
+      std::printf("%-14s %12s %12s %10s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld)\n",
+                  "kind", "step ms", "tokens/s", "overhead", (long long)a->steps, (long long)a->warmup,
+                  (long long)cfg.residual.block_sublayers);
+      for (const auto& r : results)
+        std::printf("%-14s %12.2f %12.0f %9.1f%%\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
+                    100.0 * (r.median_step_s / base - 1.0));
       return 0;
     };
   });

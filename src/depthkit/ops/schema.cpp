@@ -2,8 +2,10 @@
 // that route the backward to the hand-written backward operators. The CUDA issue registers CUDA
 // kernels on the same schemas.
 //
-//   depthkit::depth_read(Tensor queries, Tensor keys, Tensor values, float eps) -> (Tensor out, Tensor log_partition)
-//   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor value_part, float eps) -> Tensor
+//   depthkit::depth_read(Tensor queries, Tensor keys, Tensor? values, float eps) -> (Tensor out, Tensor log_partition)
+//   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, float eps) -> Tensor
+// A missing value is the key itself (AttnRes: keys = values = sources): then the kernels write one
+// gradient instead of two that autograd would add.
 //   and their *_backward operators.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -19,39 +21,42 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
-using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const std::optional<at::Tensor>&,
-                                                                   const std::optional<at::Tensor>&, const at::Tensor&,
-                                                                   const at::Tensor&, const at::Tensor&, const at::Tensor&,
+using OptTensor = std::optional<at::Tensor>;
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, double);
+using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
+                                                                   const at::Tensor&, const OptTensor&, const at::Tensor&,
                                                                    double);
-using MergeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+using MergeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                             double);
 using MergeBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+    double);
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+OptTensor wrap(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
                                double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::depth_read");
     auto [out, lse] = read.call(q, k, v, eps);
     // Only the inputs and the log-partition are kept: normalised keys and weights are recomputed.
-    ctx->save_for_backward({q, k, v, lse});
+    ctx->save_for_backward({q, k, value_or_undefined(v), lse});
     ctx->saved_data["eps"] = eps;
     return {out, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::depth_read_backward");
     auto s = ctx->get_saved_variables();
-    auto [gq, gk, gv] = back.call(grads[0], grads[1], s[0], s[1], s[2], s[3], ctx->saved_data["eps"].toDouble());
+    auto [gq, gk, gv] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], wrap(s[2]), s[3],
+                                  ctx->saved_data["eps"].toDouble());
     return {gq, gk, gv, at::Tensor()};
   }
 };
@@ -59,55 +64,73 @@ class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
 class DepthMergeFunction : public torch::autograd::Function<DepthMergeFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                               const at::Tensor& k, const at::Tensor& v, double eps) {
+                               const at::Tensor& k, const OptTensor& v, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto merge = op<MergeSig>("depthkit::depth_merge");
-    ctx->save_for_backward({out, lse, q, k, v});
+    ctx->save_for_backward({out, lse, q, k, value_or_undefined(v)});
     ctx->saved_data["eps"] = eps;
     return {merge.call(out, lse, q, k, v, eps)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<MergeBackSig>("depthkit::depth_merge_backward");
     auto s = ctx->get_saved_variables();
-    auto [go, gl, gq, gk, gv] = back.call(grads[0], s[0], s[1], s[2], s[3], s[4], ctx->saved_data["eps"].toDouble());
+    auto [go, gl, gq, gk, gv] = back.call(grads[0], s[0], s[1], s[2], s[3], wrap(s[4]), ctx->saved_data["eps"].toDouble());
     return {go, gl, gq, gk, gv, at::Tensor()};
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> depth_read_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor> depth_read_autograd(const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
                                                        double eps) {
   auto r = DepthReadFunction::apply(q, k, v, eps);
   return {r[0], r[1]};
 }
 
 at::Tensor depth_merge_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v, double eps) {
+                                const OptTensor& v, double eps) {
   return DepthMergeFunction::apply(out, lse, q, k, v, eps)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cpu(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse, double eps) {
-  return cpu::depth_read_backward(value_or_undefined(grad_out), value_or_undefined(grad_lse), q, k, v, lse, eps);
+std::tuple<at::Tensor, at::Tensor> depth_read_cpu(const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
+                                                  double eps) {
+  return cpu::depth_read_forward(q, k, value_or_undefined(v), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cpu(const OptTensor& grad_out,
+                                                                       const OptTensor& grad_lse, const at::Tensor& q,
+                                                                       const at::Tensor& k, const OptTensor& v,
+                                                                       const at::Tensor& lse, double eps) {
+  return cpu::depth_read_backward(value_or_undefined(grad_out), value_or_undefined(grad_lse), q, k,
+                                  value_or_undefined(v), lse, eps);
+}
+
+at::Tensor depth_merge_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
+                           const OptTensor& v, double eps) {
+  return cpu::depth_merge_forward(out, lse, q, k, value_or_undefined(v), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward_cpu(
+    const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
+    const OptTensor& v, double eps) {
+  return cpu::depth_merge_backward(grad, out, lse, q, k, value_or_undefined(v), eps);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(depthkit, m) {
-  m.def("depth_read(Tensor queries, Tensor keys, Tensor values, float eps) -> (Tensor, Tensor)");
+  m.def("depth_read(Tensor queries, Tensor keys, Tensor? values, float eps) -> (Tensor, Tensor)");
   m.def("depth_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor keys, "
-        "Tensor values, Tensor log_partition, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor value_part, "
+        "Tensor? values, Tensor log_partition, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, "
         "float eps) -> Tensor");
   m.def("depth_merge_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor query, Tensor key_part, "
-        "Tensor value_part, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? value_part, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
-  m.impl("depth_read", &cpu::depth_read_forward);
+  m.impl("depth_read", &depth_read_cpu);
   m.impl("depth_read_backward", &depth_read_backward_cpu);
-  m.impl("depth_merge", &cpu::depth_merge_forward);
-  m.impl("depth_merge_backward", &cpu::depth_merge_backward);
+  m.impl("depth_merge", &depth_merge_cpu);
+  m.impl("depth_merge_backward", &depth_merge_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
@@ -120,13 +143,13 @@ namespace fused {
 std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
                                               double eps) {
   static auto read = op<ReadSig>("depthkit::depth_read");
-  return read.call(queries, keys, values, eps);
+  return read.call(queries, keys, wrap(values), eps);
 }
 
 at::Tensor depth_merge(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& query,
                        const at::Tensor& key_part, const at::Tensor& value_part, double eps) {
   static auto merge = op<MergeSig>("depthkit::depth_merge");
-  return merge.call(out, log_partition, query, key_part, value_part, eps);
+  return merge.call(out, log_partition, query, key_part, wrap(value_part), eps);
 }
 
 }  // namespace fused

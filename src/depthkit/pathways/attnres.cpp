@@ -47,15 +47,18 @@ at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
 
 at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
                                  const at::Tensor& key_part, const at::Tensor& value_part) const {
+  // vals / value_part undefined: the values are the keys (no SepV maps).
   if (!fused_) {
-    DepthRead hist = depth_read(q, keys, vals);
-    return key_part.defined() ? merge_partial(hist, q, key_part, value_part) : hist.out;
+    DepthRead hist = depth_read(q, keys, vals.defined() ? vals : keys);
+    return key_part.defined() ? merge_partial(hist, q, key_part, value_part.defined() ? value_part : key_part)
+                              : hist.out;
   }
   const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
-  auto [out, lse] = fused::depth_read(q.unsqueeze(0), keys.reshape({N, B * T, d}), vals.reshape({N, B * T, d}),
+  auto flat = [&](const at::Tensor& x, at::IntArrayRef shape) { return x.defined() ? x.reshape(shape) : x; };
+  auto [out, lse] = fused::depth_read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}),
                                       kKeyNormEps);
   at::Tensor h = key_part.defined() ? fused::depth_merge(out[0], lse[0], q, key_part.reshape({B * T, d}),
-                                                         value_part.reshape({B * T, d}), kKeyNormEps)
+                                                         flat(value_part, {B * T, d}), kKeyNormEps)
                                     : out[0];
   return h.view({B, T, d});
 }
@@ -64,10 +67,11 @@ at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
   if (first_in_block && s.completed.size() == 1) return s.values[0];  // one candidate: its weight is 1
-  at::Tensor keys = at::stack(s.completed), vals = at::stack(s.values);
+  const bool sepv = !value_maps_.empty();
+  at::Tensor keys = at::stack(s.completed), vals = sepv ? at::stack(s.values) : at::Tensor();
   if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
   // The partial is valued with the map of the source index it will take.
-  return read_sources(query_[l], keys, vals, s.partial, value(s.completed.size(), s.partial));
+  return read_sources(query_[l], keys, vals, s.partial, sepv ? value(s.completed.size(), s.partial) : at::Tensor());
 }
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
@@ -82,7 +86,7 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
-  return read_sources(out_query_, at::stack(s.completed), at::stack(s.values), {}, {});
+  return read_sources(out_query_, at::stack(s.completed), value_maps_.empty() ? at::Tensor() : at::stack(s.values), {}, {});
 }
 
 }  // namespace depthkit

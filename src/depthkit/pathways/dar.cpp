@@ -1,12 +1,9 @@
 #include "depthkit/pathways/dar.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/stack.h>
 
 #include <cmath>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/sigmoid.h>
-#include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/dar_ops.h"
@@ -20,7 +17,7 @@ namespace {
 struct DualHistory final : PathwayState {
   std::vector<at::Tensor> h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
   at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
-  at::Tensor beta;                 // β_ℓ of the last read, [B, T, 2] ([B·T, 2] fused), used by its write
+  at::Tensor beta;                 // β_ℓ of the last read, [B·T, 2], used by its write
 };
 DualHistory& dual(PathwayState& s) { return static_cast<DualHistory&>(s); }
 
@@ -31,20 +28,6 @@ std::pair<int, int> route(const std::string& routing, int j) {
   if (routing == "fixed") return {0, 1};            // DAR-FixedKV
   return {1 - j, j};                                // DAR: cross-stream key, self-stream value (eq. 10)
 }
-
-// Retrieved state of stream j over the completed entries and, if defined, the partial (eq. 11–12),
-// in the two-phase form: completed read, then the online-softmax merge (eq. A.1–A.10).
-at::Tensor read_stream(const std::string& routing, int j, const at::Tensor& q, const at::Tensor (&completed)[2],
-                       const at::Tensor& p0, const at::Tensor& p1) {
-  auto [kj, vj] = route(routing, j);
-  DepthRead hist = depth_read(q, completed[kj], completed[vj]);
-  if (!p0.defined()) return hist.out;
-  const at::Tensor* part[2] = {&p0, &p1};
-  return merge_partial(hist, q, *part[kj], *part[vj]);
-}
-
-// Norm([x⁰; x¹]): weightless RMSNorm over the concatenated 2d features (eq. 13, 16).
-at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1) { return key_norm(at::cat({x0, x1}, -1)); }
 
 }  // namespace
 
@@ -82,38 +65,29 @@ std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
 at::Tensor Dar::read(PathwayState& state, int64_t l) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
-  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
-  if (fused_) {  // eq. 10–15 in one operator (ops/dar_ops.h)
-    const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
-    auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
-    auto [k0, v0] = route(routing_, 0);
-    auto [k1, v1] = route(routing_, 1);
-    fused::DarRead r = fused::dar_read(at::stack({b.q0, b.q1}), completed[0].reshape({N, B * T, d}),
-                                       completed[1].reshape({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha,
-                                       b.b_alpha, b.w_beta, b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
-    s.beta = r.beta;
-    return r.h.view({B, T, d});
-  }
-  at::Tensor h0 = read_stream(routing_, 0, b.q0, completed, s.p0, s.p1);
-  at::Tensor h1 = read_stream(routing_, 1, b.q1, completed, s.p0, s.p1);
-  at::Tensor hbar = joint_norm(h0, h1);                                  // eq. 13
-  at::Tensor alpha = at::sigmoid(at::linear(hbar, b.w_alpha, b.b_alpha));  // eq. 14
-  s.beta = 2.0 * at::sigmoid(at::linear(hbar, b.w_beta, b.b_beta));
-  return alpha.select(-1, 0).unsqueeze(-1) * h0 + alpha.select(-1, 1).unsqueeze(-1) * h1;  // eq. 15
+  const int64_t N = int64_t(s.h0.size()), B = s.h0[0].size(0), T = s.h0[0].size(1), d = s.h0[0].size(2);
+  auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
+  auto [k0, v0] = route(routing_, 0);
+  auto [k1, v1] = route(routing_, 1);
+  // eq. 10–15: both streams' reads (the partial merged by online softmax) and the gates.
+  auto read = fused_ ? fused::dar_read : reference::dar_read;
+  fused::DarRead r = read(at::stack({b.q0, b.q1}), at::stack(s.h0).view({N, B * T, d}),
+                          at::stack(s.h1).view({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha, b.b_alpha, b.w_beta,
+                          b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
+  s.beta = r.beta;
+  return r.h.view({B, T, d});
 }
 
 void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
-  if (fused_) {  // eq. 16–17 in one operator
-    const int64_t B = out.size(0), T = out.size(1), d = out.size(2);
-    auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
-    auto [p0, p1] = fused::dar_write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
-    s.p0 = p0.view({B, T, d});
-    s.p1 = p1.view({B, T, d});
-  } else {
-    write_reference(s, l, out);
-  }
+  const int64_t B = out.size(0), T = out.size(1), d = out.size(2);
+  auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
+  // eq. 16–17: P^i = β ⊗ f(h) at block start, M(ρ) P^{i−1} + β ⊗ f(h) after.
+  auto write = fused_ ? fused::dar_write : reference::dar_write;
+  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
+  s.p0 = p0.view({B, T, d});
+  s.p1 = p1.view({B, T, d});
   if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
     s.h0.push_back(s.p0);
     s.h1.push_back(s.p1);
@@ -121,38 +95,20 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   }
 }
 
-void Dar::write_reference(PathwayState& state, int64_t l, const at::Tensor& out) const {
-  DualHistory& s = dual(state);
-  const Branch& b = branch_[l];
-  at::Tensor w0 = s.beta.select(-1, 0).unsqueeze(-1) * out;  // β ⊗ f(h) (eq. 7)
-  at::Tensor w1 = s.beta.select(-1, 1).unsqueeze(-1) * out;
-  if ((l - 1) % block_ == 0) {  // eq. 17, i = 1
-    s.p0 = w0;
-    s.p1 = w1;
-  } else {  // eq. 16–17: M(ρ) P^{i−1} + β ⊗ f(h)
-    at::Tensor rho = at::sigmoid(at::linear(joint_norm(s.p0, s.p1), b.w_rho, b.b_rho));
-    at::Tensor p0 = rho * s.p0 + (1.0 - rho) * s.p1 + w0;
-    at::Tensor p1 = (1.0 - rho) * s.p0 + rho * s.p1 + w1;
-    s.p0 = p0;
-    s.p1 = p1;
-  }
-}
-
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
   const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
-  if (fused_) {  // h_out = h⁰_out + h¹_out, two completed reads
-    const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
-    at::Tensor out;
-    for (int j = 0; j < 2; ++j) {
-      auto [k, v] = route(routing_, j);
-      auto [o, lse] = fused::depth_read((j == 0 ? out_q0_ : out_q1_).unsqueeze(0), completed[k].reshape({N, B * T, d}),
-                                        completed[v].reshape({N, B * T, d}), kKeyNormEps);
-      out = j == 0 ? o[0] : out + o[0];
-    }
-    return out.view({B, T, d});
+  const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+  at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
+  for (int j = 0; j < 2; ++j) {
+    auto [k, v] = route(routing_, j);
+    const at::Tensor& q = j == 0 ? out_q0_ : out_q1_;
+    const at::Tensor keys = completed[k].view({N, B * T, d}), values = completed[v].view({N, B * T, d});
+    at::Tensor o = fused_ ? std::get<0>(fused::depth_read(q.unsqueeze(0), keys, values, kKeyNormEps))[0]
+                          : depth_read(q, keys, values).out;
+    out = j == 0 ? o : out + o;
   }
-  return read_stream(routing_, 0, out_q0_, completed, {}, {}) + read_stream(routing_, 1, out_q1_, completed, {}, {});
+  return out.view({B, T, d});
 }
 
 std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {

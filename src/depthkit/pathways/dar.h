@@ -47,10 +47,9 @@ class Dar final : public ResidualPathway {
   };
   int64_t block_, branches_;
   std::string routing_;
-  bool fused_;  // residual.impl = "fused": the depthkit::dar_read / dar_write operators
+  bool fused_;  // residual.impl: the fused operators or the reference compositions (ops/dar_ops.h)
   std::vector<Branch> branch_;  // [L_b + 1], index ℓ
   at::Tensor out_q0_, out_q1_;
-  void write_reference(PathwayState& state, int64_t branch, const at::Tensor& out) const;  // eq. 16–17 in ATen ops
 };
 
 }  // namespace depthkit

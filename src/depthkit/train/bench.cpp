@@ -7,21 +7,27 @@
 #include <ATen/ops/randint.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
+#include <memory>
 
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
 
 namespace depthkit {
 
-BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup) {
-  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
-  Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
-  AdamW optim(model.parameters(), cfg.optim);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(cfg.train.seed));
-  BenchResult r;
-  r.tokens_per_step = cfg.tokens_per_step();
-  for (int64_t i = 0; i < warmup + steps; ++i) {
+namespace {
+
+// One model with its optimizer and token generator: a training step on random tokens.
+struct Bench {
+  Config cfg;
+  Transformer model;
+  AdamW optim;
+  at::Generator gen;
+  explicit Bench(const Config& c)
+      : cfg(c), model(c.model, c.residual, at::kCPU, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
+        gen(at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed))) {}
+  double step() {
     std::vector<at::Tensor> batches;
     for (int64_t m = 0; m < cfg.train.grad_accum; ++m)
       batches.push_back(at::randint(cfg.model.vocab_size, {cfg.train.micro_batch, cfg.model.seq_len + 1}, gen));
@@ -30,18 +36,45 @@ BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup) {
     for (const auto& b : batches) (model.loss(b) / double(cfg.train.grad_accum)).backward();
     clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
     optim.step(cfg.optim.lr);
-    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= warmup) r.step_s.push_back(s);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+};
+
+void summarise(BenchResult& r, int64_t tokens_per_step) {
   std::vector<double> sorted = r.step_s;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
   r.median_step_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  r.tokens_per_s = double(r.tokens_per_step) / r.median_step_s;
+  r.tokens_per_step = tokens_per_step;
+  r.tokens_per_s = double(tokens_per_step) / r.median_step_s;
   struct rusage ru {};
   getrusage(RUSAGE_SELF, &ru);
   r.peak_rss_bytes = int64_t(ru.ru_maxrss) * 1024;
-  return r;
+}
+
+}  // namespace
+
+std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
+                                         int64_t warmup) {
+  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  std::vector<std::unique_ptr<Bench>> benches;
+  for (const auto& kind : kinds)
+    benches.push_back(std::make_unique<Bench>(Config::parse(cfg.to_toml(), "bench", {"residual.kind=" + kind})));
+  std::vector<BenchResult> results(kinds.size());
+  for (int64_t i = 0; i < warmup + steps; ++i)
+    for (size_t k = 0; k < benches.size(); ++k) {
+      const double s = benches[k]->step();
+      if (i >= warmup) results[k].step_s.push_back(s);
+    }
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    results[k].kind = kinds[k];
+    summarise(results[k], cfg.tokens_per_step());
+  }
+  return results;
+}
+
+BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup) {
+  return run_bench_kinds(cfg, {cfg.residual.kind}, steps, warmup)[0];
 }
 
 }  // namespace depthkit

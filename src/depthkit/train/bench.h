@@ -1,7 +1,11 @@
 // `depthkit bench`: median wall time of a full training step (forward, backward, clipping,
 // AdamW) on random tokens after warm-up, tokens/s, and the process's peak resident memory.
+// With several pathway kinds, one model per kind is built and their steps are interleaved
+// (kind 1, kind 2, …, kind 1, …) so that every kind sees the same machine conditions; the
+// overhead of each kind is its median step time against the first kind's (docs/benchmarks.md).
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "depthkit/config/config.h"
@@ -9,13 +13,18 @@
 namespace depthkit {
 
 struct BenchResult {
+  std::string kind;
   double median_step_s = 0;
   double tokens_per_s = 0;
   int64_t tokens_per_step = 0;
-  int64_t peak_rss_bytes = 0;
+  int64_t peak_rss_bytes = 0;  // of the whole process (all kinds together when interleaved)
   std::vector<double> step_s;
 };
 
 BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup);
+
+// One result per kind (residual.kind = each of `kinds`, everything else from cfg), interleaved.
+std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
+                                         int64_t warmup);
 
 }  // namespace depthkit

@@ -42,7 +42,8 @@ void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const at::Tensor& values, double eps) {
+                                                      const at::Tensor& values_, double eps) {
+  const at::Tensor& values = values_.defined() ? values_ : keys;  // undefined: values are the keys
   check_read(queries, keys, values);
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous();
   const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
@@ -66,14 +67,14 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
             const scalar_t* vr = vp + (r * P + p) * d;
             const acc_t a = s[r] * dot<acc_t>(qp + m * d, kr, d);  // (A.1)
             if (a > mx) {                                         // (A.2): rescale what is summed
-              const acc_t scale = std::exp(mx - a);
-              Z *= scale;
-              for (int64_t i = 0; i < d; ++i) acc[i] *= scale;
+              const acc_t rescale = std::exp(mx - a);
+              Z *= rescale;
+              scale(acc.data(), rescale, d);
               mx = a;
             }
             const acc_t w = std::exp(a - mx);
-            Z += w;                                                   // (A.3)
-            for (int64_t i = 0; i < d; ++i) acc[i] += w * acc_t(vr[i]);  // (A.4)
+            Z += w;                        // (A.3)
+            axpy(acc.data(), w, vr, d);    // (A.4)
           }
           scalar_t* o = op + (m * P + p) * d;
           for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(acc[i] / Z);  // (A.5)
@@ -87,8 +88,11 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out_, const at::Tensor& grad_lse_,
                                                                    const at::Tensor& queries, const at::Tensor& keys,
-                                                                   const at::Tensor& values, const at::Tensor& lse_,
+                                                                   const at::Tensor& values_, const at::Tensor& lse_,
                                                                    double eps) {
+  // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
+  const bool shared = !values_.defined();
+  const at::Tensor& values = shared ? keys : values_;
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous(), lse = lse_.contiguous();
   const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
   const auto acc_type = lse.scalar_type();
@@ -97,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
   // Gradients of keys and values are accumulated per token (no two threads share a token);
   // the query gradient is a sum over tokens: one partial sum per thread, added at the end.
   at::Tensor gk = at::empty({N, P, d}, k.options().dtype(acc_type));
-  at::Tensor gv = at::empty({N, P, d}, k.options().dtype(acc_type));
+  at::Tensor gv = shared ? gk : at::empty({N, P, d}, k.options().dtype(acc_type));
   const int threads = at::get_num_threads();
   at::Tensor gq_parts = at::zeros({threads, M, d}, k.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_backward", [&] {
@@ -114,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
         for (int64_t r = 0; r < N; ++r) {
           s[r] = inv_rms<acc_t>(kp + (r * P + p) * d, d, eps);
           std::fill_n(gkp + (r * P + p) * d, d, acc_t(0));
-          std::fill_n(gvp + (r * P + p) * d, d, acc_t(0));
+          if (!shared) std::fill_n(gvp + (r * P + p) * d, d, acc_t(0));
         }
         for (int64_t m = 0; m < M; ++m) {
           const scalar_t* qm = qp + m * d;
@@ -132,22 +136,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
             acc_t* gvr = gvp + (r * P + p) * d;
             acc_t* gkr = gkp + (r * P + p) * d;
             const acc_t c_k = da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
-            for (int64_t i = 0; i < d; ++i) {
-              gvr[i] += w[r] * acc_t(g[i]);
-              gq[m * d + i] += da * s[r] * acc_t(kr[i]);
-              gkr[i] += da * s[r] * acc_t(qm[i]) - c_k * acc_t(kr[i]);
-            }
+            axpy(gvr, w[r], g, d);  // separate passes: gvr may be gkr (shared values)
+            axpy(gq + m * d, da * s[r], kr, d);
+            axpy2(gkr, da * s[r], qm, -c_k, kr, d);
           }
         }
       }
     });
   });
   at::Tensor gq = gq_parts.sum(0).to(q.scalar_type());
-  return {gq, gk.to(k.scalar_type()), gv.to(v.scalar_type())};
+  return {gq, gk.to(k.scalar_type()), shared ? at::Tensor() : gv.to(v.scalar_type())};
 }
 
 at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-                               const at::Tensor& key_part, const at::Tensor& value_part, double eps) {
+                               const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+  const at::Tensor& value_part = value_part_.defined() ? value_part_ : key_part;  // undefined: the key
   if (out_.dim() != 2 || key_part.sizes() != out_.sizes() || value_part.sizes() != out_.sizes() ||
       lse_.dim() != 1 || lse_.size(0) != out_.size(0) || query.dim() != 1 || query.size(0) != out_.size(1))
     fail("depth_merge: expected out, key_part, value_part [P, d], log_partition [P], query [d]");
@@ -177,13 +180,15 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
     const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-    const at::Tensor& key_part, const at::Tensor& value_part, double eps) {
+    const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+  const bool shared = !value_part_.defined();  // the value is the key: one gradient
+  const at::Tensor& value_part = shared ? key_part : value_part_;
   const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor g = grad_.contiguous(), o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(),
                    q = query.contiguous(), k = key_part.contiguous(), v = value_part.contiguous();
   const int64_t P = o.size(0), d = o.size(1);
-  at::Tensor go = at::empty({P, d}, o.options().dtype(acc_type)), gv = at::empty({P, d}, o.options().dtype(acc_type)),
-             gk = at::empty({P, d}, o.options().dtype(acc_type)), gl = at::empty({P}, lse.options());
+  at::Tensor go = at::empty({P, d}, o.options().dtype(acc_type)), gk = at::empty({P, d}, o.options().dtype(acc_type)),
+             gv = shared ? gk : at::empty({P, d}, o.options().dtype(acc_type)), gl = at::empty({P}, lse.options());
   const int threads = at::get_num_threads();
   at::Tensor gq_parts = at::zeros({threads, d}, o.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "depth_merge_backward", [&] {
@@ -199,22 +204,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
         const scalar_t *kr = kp + p * d, *gr = gp + p * d;
         const acc_t s = inv_rms<acc_t>(kr, d, eps), qk = dot<acc_t>(qp, kr, d), a = s * qk;
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));
-        acc_t dlambda = 0;  // ∂h/∂λ · g = g · (out − v_part)
-        for (int64_t i = 0; i < d; ++i) dlambda += acc_t(gr[i]) * (acc_t(op[p * d + i]) - acc_t(vp[p * d + i]));
+        // ∂h/∂λ · g = g · (out − v_part)
+        const acc_t dlambda = dot<acc_t>(gr, op + p * d, d) - dot<acc_t>(gr, vp + p * d, d);
         const acc_t dz = dlambda * lambda * (acc_t(1) - lambda);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
         glp[p] = dz;
         const acc_t da = -dz, c_k = da * s * s * s * qk / acc_t(d);
-        for (int64_t i = 0; i < d; ++i) {
-          gop[p * d + i] = lambda * acc_t(gr[i]);
-          gvp[p * d + i] = (acc_t(1) - lambda) * acc_t(gr[i]);
-          gq[i] += da * s * acc_t(kr[i]);
-          gkp[p * d + i] = da * s * acc_t(qp[i]) - c_k * acc_t(kr[i]);
+        acc_t *gor = gop + p * d, *gkr = gkp + p * d, *gvr = gvp + p * d;
+        for (int64_t i = 0; i < d; ++i) gor[i] = lambda * acc_t(gr[i]);
+        for (int64_t i = 0; i < d; ++i) gkr[i] = da * s * acc_t(qp[i]) - c_k * acc_t(kr[i]);
+        if (shared) {
+          axpy(gvr, acc_t(1) - lambda, gr, d);  // onto the key's gradient
+        } else {
+          for (int64_t i = 0; i < d; ++i) gvr[i] = (acc_t(1) - lambda) * acc_t(gr[i]);
         }
+        axpy(gq, da * s, kr, d);
       }
     });
   });
   const auto st = o.scalar_type();
-  return {go.to(st), gl.to(lse_.scalar_type()), gq_parts.sum(0).to(q.scalar_type()), gk.to(st), gv.to(st)};
+  return {go.to(st), gl.to(lse_.scalar_type()), gq_parts.sum(0).to(q.scalar_type()), gk.to(st),
+          shared ? at::Tensor() : gv.to(st)};
 }
 
 }  // namespace depthkit::cpu

@@ -1,0 +1,50 @@
+// DAR's read and write composed of reference ATen ops (ops/dar_ops.h): what the fused operators
+// are held equal to, and what `residual.impl = "reference"` runs.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+
+#include "depthkit/ops/dar_ops.h"
+#include "depthkit/ops/depth_attention.h"
+
+namespace depthkit::reference {
+
+namespace {
+// Norm([x⁰; x¹]): weightless RMSNorm over the concatenated 2d features (eq. 13, 16).
+at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1, double eps) {
+  return key_norm(at::cat({x0, x1}, -1), eps);
+}
+}  // namespace
+
+fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+                        const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha,
+                        const at::Tensor& w_beta, const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
+                        const std::array<int64_t, 2>& value_stream, double eps) {
+  const at::Tensor* completed[2] = {&h0, &h1};
+  const at::Tensor* partial[2] = {&p0, &p1};
+  at::Tensor z[2];
+  for (int j = 0; j < 2; ++j) {  // eq. 11–12 in the two-phase form (A.1–A.10)
+    const int64_t k = key_stream[j], v = value_stream[j];
+    at::Tensor q = queries[j];
+    DepthRead hist = depth_read(q, *completed[k], *completed[v], eps);
+    z[j] = p0.defined() ? merge_partial(hist, q, *partial[k], *partial[v], eps) : hist.out;
+  }
+  at::Tensor hbar = joint_norm(z[0], z[1], eps);                            // eq. 13
+  at::Tensor alpha = at::sigmoid(at::linear(hbar, w_alpha, b_alpha));       // eq. 14
+  at::Tensor beta = 2.0 * at::sigmoid(at::linear(hbar, w_beta, b_beta));
+  at::Tensor h = alpha.select(-1, 0).unsqueeze(-1) * z[0] + alpha.select(-1, 1).unsqueeze(-1) * z[1];  // eq. 15
+  return {h, beta, at::Tensor()};
+}
+
+std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tensor& beta, const at::Tensor& p0,
+                                            const at::Tensor& p1, const at::Tensor& w_rho, const at::Tensor& b_rho,
+                                            double eps) {
+  at::Tensor w0 = beta.select(-1, 0).unsqueeze(-1) * f;  // β ⊗ f(h) (eq. 7)
+  at::Tensor w1 = beta.select(-1, 1).unsqueeze(-1) * f;
+  if (!p0.defined()) return {w0, w1};  // eq. 17, i = 1
+  at::Tensor rho = at::sigmoid(at::linear(joint_norm(p0, p1, eps), w_rho, b_rho));  // eq. 16
+  return {rho * p0 + (1.0 - rho) * p1 + w0, (1.0 - rho) * p0 + rho * p1 + w1};      // eq. 17
+}
+
+}  // namespace depthkit::reference

@@ -1,0 +1,147 @@
+#include "depthkit/ops/op_bench.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/stack.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+
+#include "depthkit/ops/dar_ops.h"
+#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/fused.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+namespace {
+
+struct Shape {
+  std::string name;
+  int64_t N, P, d;  // completed sources, tokens (batch · sequence), width
+  std::string label() const { return cat(name, ": N=", N, " P=", P, " d=", d); }
+};
+
+// One operator: a forward + backward of the fused op and of its reference composition, on the
+// same inputs (leaves that require grad; their gradients are dropped before each run).
+struct Case {
+  std::string op;
+  std::vector<at::Tensor> leaves;
+  std::function<at::Tensor()> fused, reference;  // scalar losses
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+template <class Fn>
+double time_ms(Fn&& fn) {
+  auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double run(const Case& c, const std::function<at::Tensor()>& loss) {
+  for (const auto& t : c.leaves) t.mutable_grad().reset();
+  return time_ms([&] { loss().backward(); });
+}
+
+std::vector<Case> cases(const Shape& s, at::Generator& g) {
+  const int64_t N = s.N, P = s.P, d = s.d;
+  auto leaf = [&](at::IntArrayRef shape, double scale = 1.0) { return (at::randn(shape, g) * scale).requires_grad_(); };
+  auto weight = [&](at::IntArrayRef shape) { return at::randn(shape, g); };  // a random cotangent
+  std::vector<Case> out;
+  {  // AttnRes's completed read: keys = values = the sources.
+    at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d}), w = weight({P, d});
+    out.push_back({"depth_read", {q, src},
+                   [=] { return (std::get<0>(fused::depth_read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0] * w).sum(); },
+                   [=] { return (depth_read(q, src, src).out * w).sum(); }});
+  }
+  {  // The merge of the block's partial (key = value = the partial sum).
+    at::Tensor o = leaf({P, d}), lse = leaf({P}), q = leaf({d}, 0.5), part = leaf({P, d}), w = weight({P, d});
+    out.push_back({"depth_merge", {o, lse, q, part},
+                   [=] { return (fused::depth_merge(o, lse, q, part, at::Tensor(), kKeyNormEps) * w).sum(); },
+                   [=] { return (merge_partial({o, lse}, q, part, part) * w).sum(); }});
+  }
+  {  // DAR's read of both streams with the partial and the gates.
+    std::vector<at::Tensor> t = {leaf({2, d}, 0.5),   leaf({N, P, d}),        leaf({N, P, d}), leaf({P, d}),
+                                 leaf({P, d}),        leaf({2, 2 * d}, 0.05), leaf({2}),       leaf({2, 2 * d}, 0.05),
+                                 leaf({2})};
+    at::Tensor w = weight({P, d}), wb = weight({P, 2});
+    auto loss = [=](auto read) {
+      return [=] {
+        fused::DarRead r = read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
+        return (r.h * w).sum() + (r.beta * wb).sum();
+      };
+    };
+    out.push_back({"dar_read", t, loss(fused::dar_read), loss(reference::dar_read)});
+  }
+  {  // DAR's gated write with the transport M(ρ).
+    std::vector<at::Tensor> t = {leaf({P, d}), (at::rand({P, 2}, g) * 2).requires_grad_(), leaf({P, d}), leaf({P, d}),
+                                 leaf({1, 2 * d}, 0.05), leaf({1})};
+    at::Tensor w0 = weight({P, d}), w1 = weight({P, d});
+    auto loss = [=](auto write) {
+      return [=] {
+        auto [p0, p1] = write(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
+        return (p0 * w0).sum() + (p1 * w1).sum();
+      };
+    };
+    out.push_back({"dar_write", t, loss(fused::dar_write), loss(reference::dar_write)});
+  }
+  return out;
+}
+
+// The fused completed read's forward against a plain copy of its sources, interleaved.
+ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
+  at::Tensor q = at::randn({1, s.d}, g), src = at::randn({s.N, s.P, s.d}), dst = at::empty_like(src);
+  std::vector<double> read_ms, copy_ms;
+  for (int64_t i = 0; i <= repeats; ++i) {
+    const double r = time_ms([&] { fused::depth_read(q, src, at::Tensor(), kKeyNormEps); });
+    const double c = time_ms([&] { dst.copy_(src); });
+    if (i > 0) {  // the first is a warm-up
+      read_ms.push_back(r);
+      copy_ms.push_back(c);
+    }
+  }
+  ReadBandwidth b;
+  b.shape = s.label();
+  const double elem = double(src.element_size());
+  b.bytes = elem * (double(s.N) * s.P * s.d + double(s.P) * s.d) + 4.0 * s.P;  // sources, output, ζ
+  b.fused_ms = median(read_ms);
+  b.copy_gbs = 2.0 * elem * double(src.numel()) / (median(copy_ms) * 1e-3) / 1e9;  // read + write
+  return b;
+}
+
+}  // namespace
+
+OpBenchReport bench_ops(const std::string& shapes, int64_t repeats) {
+  std::vector<Shape> all;
+  if (shapes == "tiny" || shapes == "all") all.push_back({"tiny", 5, 16 * 256, 128});  // configs/tiny.toml, last block
+  if (shapes == "0.1b" || shapes == "all") all.push_back({"0.1b", 9, 4096, 640});      // dense-0.1b, T = 4096
+  if (all.empty()) fail("bench --ops: shapes must be tiny, 0.1b or all, got \"", shapes, "\"");
+  auto g = at::make_generator<at::CPUGeneratorImpl>(0);
+  OpBenchReport report;
+  for (const Shape& s : all) {
+    for (const Case& c : cases(s, g)) {
+      std::vector<double> fused_ms, reference_ms;
+      for (int64_t i = 0; i <= repeats; ++i) {  // interleaved; the first round is a warm-up
+        const double f = run(c, c.fused), r = run(c, c.reference);
+        if (i > 0) {
+          fused_ms.push_back(f);
+          reference_ms.push_back(r);
+        }
+      }
+      report.ops.push_back({c.op, s.label(), median(reference_ms), median(fused_ms)});
+    }
+    report.bandwidth.push_back(bandwidth(s, g, repeats));
+  }
+  return report;
+}
+
+}  // namespace depthkit

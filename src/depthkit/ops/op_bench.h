@@ -1,0 +1,35 @@
+// `depthkit bench --ops`: each fused operator against its reference composition, forward plus
+// backward, at the tiny config's shapes and at the 0.1B shapes, timed interleaved in one process
+// (medians over repeats); and the fused read's achieved bandwidth against a plain copy measured in
+// the same run (docs/benchmarks.md).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace depthkit {
+
+struct OpTiming {
+  std::string op;     // e.g. "depth_read"
+  std::string shape;  // e.g. "tiny: N=5 P=4096 d=128"
+  double reference_ms = 0, fused_ms = 0;  // medians, forward + backward
+  double speedup() const { return reference_ms / fused_ms; }
+};
+
+struct ReadBandwidth {
+  std::string shape;
+  double bytes = 0;        // what the fused forward read must move: sources once, output once
+  double fused_ms = 0;     // median forward time
+  double copy_gbs = 0;     // a plain copy of the sources (at::Tensor::copy_), same run
+  double gbs() const { return bytes / (fused_ms * 1e-3) / 1e9; }
+};
+
+struct OpBenchReport {
+  std::vector<OpTiming> ops;
+  std::vector<ReadBandwidth> bandwidth;
+};
+
+// shapes: "tiny", "0.1b" or "all"; repeats: timed repetitions of each (after one warm-up).
+OpBenchReport bench_ops(const std::string& shapes, int64_t repeats);
+
+}  // namespace depthkit
