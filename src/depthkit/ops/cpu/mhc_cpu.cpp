@@ -20,7 +20,8 @@
 // the inputs and proj [P, n]; r and H_pre are recomputed.
 //
 // Sinkhorn–Knopp (eq. 3, docs/design.md): P⁰ = exp(L − max L); for t = 1 … iters: rows
-// P ← P / s (s_i = Σ_j P_ij), then columns P ← P / c (c_j = Σ_i P_ij). All in acc_t.
+// P ← P / s (s_i = Σ_j P_ij), then columns P ← P / c (c_j = Σ_i P_ij). All in acc_t; each
+// division is a multiplication by the sum's reciprocal, and m = 2, 4 are compiled with fixed m.
 // Backward per token recomputes the 2·iters normalisation steps into a small thread-local buffer
 // (the m² matrix after each step and its m sums) and walks them back:
 //   row step Q_ij = P_ij / s_i:     ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
@@ -43,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "depthkit/util/error.h"
@@ -99,6 +101,86 @@ std::vector<int64_t> with(std::vector<int64_t> s, std::initializer_list<int64_t>
   return s;
 }
 
+// Calls fn with the compile-time m (4 or 2) when it is one of those, else with 0.
+template <class Fn>
+void with_fixed_m(int64_t m, Fn&& fn) {
+  if (m == 4)
+    fn(std::integral_constant<int, 4>());
+  else if (m == 2)
+    fn(std::integral_constant<int, 2>());
+  else
+    fn(std::integral_constant<int, 0>());
+}
+
+// With m fixed at compile time (M > 0), one pass over d computes every output stream at once:
+// the M inputs of position e stay in registers instead of M read-modify-write passes.
+// out[e] = Σ_i w[i] x_i[e]                                                   (h of eq. 4)
+template <int M, class acc_t, class scalar_t>
+void mix_streams(scalar_t* out, const acc_t* w, const scalar_t* xs, int64_t d) {
+  acc_t wl[M];
+  for (int i = 0; i < M; ++i) wl[i] = w[i];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t a = 0;
+    for (int i = 0; i < M; ++i) a += wl[i] * acc_t(xs[i * d + e]);
+    out[e] = scalar_t(a);
+  }
+}
+// out_j[e] = post[j] f[e] + Σ_i H[i, j] x_i[e]                               (eq. 5)
+template <int M, class acc_t, class scalar_t>
+void merge_streams(scalar_t* out, const acc_t* post, const acc_t* H, const scalar_t* xs, const scalar_t* f, int64_t d) {
+  acc_t pl[M], Hl[M * M];
+  for (int i = 0; i < M; ++i) pl[i] = post[i];
+  for (int k = 0; k < M * M; ++k) Hl[k] = H[k];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = acc_t(xs[i * d + e]);
+    const acc_t fv = acc_t(f[e]);
+    for (int j = 0; j < M; ++j) {
+      acc_t a = pl[j] * fv;
+      for (int i = 0; i < M; ++i) a += Hl[i * M + j] * xv[i];
+      out[j * d + e] = scalar_t(a);
+    }
+  }
+}
+// The four dots of one G_j with x_0 … x_3 and with f in one pass (m = 4): s = (G_j·f, G_j·x_i).
+template <class acc_t, class scalar_t>
+void dots4(acc_t* s, const scalar_t* g, const scalar_t* xs, const scalar_t* f, int64_t d) {
+  acc_t sf = 0, s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : sf, s0, s1, s2, s3)
+  for (int64_t e = 0; e < d; ++e) {
+    const acc_t ge = acc_t(g[e]);
+    sf += ge * acc_t(f[e]);
+    s0 += ge * acc_t(xs[e]);
+    s1 += ge * acc_t(xs[d + e]);
+    s2 += ge * acc_t(xs[2 * d + e]);
+    s3 += ge * acc_t(xs[3 * d + e]);
+  }
+  s[0] = sf, s[1] = s0, s[2] = s1, s[3] = s2, s[4] = s3;
+}
+// df[e] = Σ_j post[j] G_j[e],  dx_i[e] = Σ_j H[i, j] G_j[e]                    (eq. 5, backward)
+template <int M, class acc_t, class scalar_t>
+void merge_streams_backward(scalar_t* dx, scalar_t* df, const acc_t* post, const acc_t* H, const scalar_t* gs,
+                            int64_t d) {
+  acc_t pl[M], Hl[M * M];
+  for (int i = 0; i < M; ++i) pl[i] = post[i];
+  for (int k = 0; k < M * M; ++k) Hl[k] = H[k];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t gv[M];
+    for (int j = 0; j < M; ++j) gv[j] = acc_t(gs[j * d + e]);
+    acc_t a = 0;
+    for (int j = 0; j < M; ++j) a += pl[j] * gv[j];
+    df[e] = scalar_t(a);
+    for (int i = 0; i < M; ++i) {
+      acc_t b = 0;
+      for (int j = 0; j < M; ++j) b += Hl[i * M + j] * gv[j];
+      dx[i * d + e] = scalar_t(b);
+    }
+  }
+}
+
 void check_streams(const char* op, const at::Tensor& x) {
   if (x.dim() < 2 || x.size(-2) < 1) fail(op, ": expected streams x [*, m, d] with m ≥ 1, got ", x.sizes());
   if (!at::isFloatingType(x.scalar_type()) || x.scalar_type() == at::kHalf)
@@ -153,9 +235,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
         for (int64_t i = 0; i < m; ++i) postp[p * m + i] = 2 * sigmoid(ap[1] * z[m + i] + bp[m + i]);  // H_post
         for (int64_t k = 0; k < m * m; ++k) resp[p * m * m + k] = ap[2] * z[2 * m + k] + bp[2 * m + k];
         // eq. 4: h = Σ_i H_pre[i] x_i
-        set_scaled(acc.data(), pre[0], xs, d);
-        for (int64_t i = 1; i < m; ++i) add_scaled(acc.data(), pre[i], xs + i * d, d);
-        store(hp + p * d, acc.data(), d);
+        if (m == 4) {
+          mix_streams<4>(hp + p * d, pre.data(), xs, d);
+        } else {
+          set_scaled(acc.data(), pre[0], xs, d);
+          for (int64_t i = 1; i < m; ++i) add_scaled(acc.data(), pre[i], xs + i * d, d);
+          store(hp + p * d, acc.data(), d);
+        }
       }
     });
   });
@@ -246,35 +332,67 @@ void check_square(const char* op, const at::Tensor& t) {
     fail(op, ": logits must be float32, float64 or bfloat16");
 }
 
-// P⁰ = exp(L − max L) into q[0 … m²). With `steps` (size 2·iters·m² after P⁰) and `sums`
-// (2·iters·m), every normalisation step is kept for the backward; otherwise q is updated in place.
-template <class acc_t>
-void sinkhorn_token(const acc_t* l, acc_t* q, acc_t* sums, int64_t m, int64_t iters, bool keep) {
-  const int64_t mm = m * m;
+// One token's Sinkhorn–Knopp. M > 0 fixes m at compile time (the loops unroll; m = 4 is the
+// common case), M = 0 reads it from m_rt. Each step multiplies by the reciprocal of its sums.
+// P⁰ = exp(L − max L) goes to q[0 … m²). With keep, every step's result follows it in q
+// (2·iters matrices) and its reciprocal sums go to inv (2·iters·m) for the backward; otherwise q
+// is updated in place and inv is m scratch values.
+template <int M, class acc_t>
+void sinkhorn_token(const acc_t* l, acc_t* q, acc_t* inv, int64_t m_rt, int64_t iters, bool keep) {
+  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
   acc_t mx = l[0];
   for (int64_t k = 1; k < mm; ++k) mx = std::max(mx, l[k]);
   for (int64_t k = 0; k < mm; ++k) q[k] = std::exp(l[k] - mx);
   acc_t* cur = q;
   for (int64_t t = 0; t < iters; ++t) {
     acc_t* nxt = keep ? cur + mm : cur;
-    acc_t* s = keep ? sums + 2 * t * m : sums;
+    acc_t* s = keep ? inv + 2 * t * m : inv;
     for (int64_t i = 0; i < m; ++i) {  // rows
       acc_t sum = 0;
       for (int64_t j = 0; j < m; ++j) sum += cur[i * m + j];
-      s[i] = sum;
-      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] / sum;
+      s[i] = acc_t(1) / sum;
     }
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[i];
     cur = nxt;
     nxt = keep ? cur + mm : cur;
-    s = keep ? sums + (2 * t + 1) * m : sums;
-    for (int64_t j = 0; j < m; ++j) {  // columns
-      acc_t sum = 0;
-      for (int64_t i = 0; i < m; ++i) sum += cur[i * m + j];
-      s[j] = sum;
-      for (int64_t i = 0; i < m; ++i) nxt[i * m + j] = cur[i * m + j] / sum;
-    }
+    s = keep ? inv + (2 * t + 1) * m : inv;
+    for (int64_t j = 0; j < m; ++j) s[j] = 0;  // columns
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) s[j] += cur[i * m + j];
+    for (int64_t j = 0; j < m; ++j) s[j] = acc_t(1) / s[j];
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[j];
     cur = nxt;
   }
+}
+
+// One token's backward: recompute into q / inv, then walk the steps back from g = ∂H_res
+// (tt: m scratch values).
+template <int M, class acc_t>
+void sinkhorn_token_backward(const acc_t* l, const acc_t* grad, acc_t* dl, acc_t* q, acc_t* inv, acc_t* g,
+                             acc_t* tt, int64_t m_rt, int64_t iters) {
+  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
+  sinkhorn_token<M>(l, q, inv, m, iters, true);
+  for (int64_t k = 0; k < mm; ++k) g[k] = grad[k];
+  for (int64_t step = 2 * iters - 1; step >= 0; --step) {
+    const acc_t* out = q + (step + 1) * mm;  // the matrix this step produced
+    const acc_t* s = inv + step * m;
+    if (step % 2 == 1) {  // columns: ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
+      for (int64_t j = 0; j < m; ++j) tt[j] = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < m; ++j) tt[j] += g[i * m + j] * out[i * m + j];
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - tt[j]) * s[j];
+    } else {  // rows: ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
+      for (int64_t i = 0; i < m; ++i) {
+        acc_t t = 0;
+        for (int64_t j = 0; j < m; ++j) t += g[i * m + j] * out[i * m + j];
+        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - t) * s[i];
+      }
+    }
+  }
+  for (int64_t k = 0; k < mm; ++k) dl[k] = g[k] * q[k];  // ∂L = ∂P⁰ ⊙ P⁰
 }
 
 }  // namespace
@@ -289,9 +407,12 @@ at::Tensor mhc_sinkhorn_forward(const at::Tensor& logits, int64_t iters) {
   AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "mhc_sinkhorn_forward", [&] {
     const scalar_t* lp = L.const_data_ptr<scalar_t>();
     scalar_t* hp = H.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, P, grain(2 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
-      std::vector<scalar_t> sums(m);
-      for (int64_t p = p0; p < p1; ++p) sinkhorn_token(lp + p * mm, hp + p * mm, sums.data(), m, iters, false);
+    with_fixed_m(m, [&](auto M) {
+      at::parallel_for(0, P, grain(2 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
+        std::vector<scalar_t> inv(m);
+        for (int64_t p = p0; p < p1; ++p)
+          sinkhorn_token<decltype(M)::value>(lp + p * mm, hp + p * mm, inv.data(), m, iters, false);
+      });
     });
   });
   return H;
@@ -308,30 +429,13 @@ at::Tensor mhc_sinkhorn_backward(const at::Tensor& grad, const at::Tensor& logit
   AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "mhc_sinkhorn_backward", [&] {
     const scalar_t *lp = L.const_data_ptr<scalar_t>(), *gp = G.const_data_ptr<scalar_t>();
     scalar_t* dp = dL.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, P, grain(5 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
-      std::vector<scalar_t> q((2 * iters + 1) * mm), sums(2 * iters * m + 1), g(mm);
-      for (int64_t p = p0; p < p1; ++p) {
-        sinkhorn_token(lp + p * mm, q.data(), sums.data(), m, iters, true);
-        std::copy_n(gp + p * mm, mm, g.data());
-        for (int64_t step = 2 * iters - 1; step >= 0; --step) {
-          const scalar_t* out = q.data() + (step + 1) * mm;  // the matrix this step produced
-          const scalar_t* s = sums.data() + step * m;
-          if (step % 2 == 1) {  // columns
-            for (int64_t j = 0; j < m; ++j) {
-              scalar_t t = 0;
-              for (int64_t i = 0; i < m; ++i) t += g[i * m + j] * out[i * m + j];
-              for (int64_t i = 0; i < m; ++i) g[i * m + j] = (g[i * m + j] - t) / s[j];
-            }
-          } else {  // rows
-            for (int64_t i = 0; i < m; ++i) {
-              scalar_t t = 0;
-              for (int64_t j = 0; j < m; ++j) t += g[i * m + j] * out[i * m + j];
-              for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - t) / s[i];
-            }
-          }
-        }
-        for (int64_t k = 0; k < mm; ++k) dp[p * mm + k] = g[k] * q[k];  // ∂L = ∂P⁰ ⊙ P⁰
-      }
+    with_fixed_m(m, [&](auto M) {
+      at::parallel_for(0, P, grain(5 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
+        std::vector<scalar_t> q((2 * iters + 1) * mm), inv(2 * iters * m + 1), g(mm), tt(m);
+        for (int64_t p = p0; p < p1; ++p)
+          sinkhorn_token_backward<decltype(M)::value>(lp + p * mm, gp + p * mm, dp + p * mm, q.data(), inv.data(),
+                                                      g.data(), tt.data(), m, iters);
+      });
     });
   });
   return dL.to(logits.scalar_type());
@@ -378,6 +482,10 @@ at::Tensor mhc_merge_forward(const at::Tensor& x_, const at::Tensor& f_, const a
         const scalar_t* fs = fp + p * d;
         const scalar_t* xs = xp + p * md;
         const acc_t* H = rp + p * m * m;
+        if (m == 4) {
+          merge_streams<4>(op + p * md, pp + p * m, H, xs, fs, d);
+          continue;
+        }
         for (int64_t j = 0; j < m; ++j) {
           set_scaled(a, pp[p * m + j], fs, d);
           for (int64_t i = 0; i < m; ++i) add_scaled(a, H[i * m + j], xs + i * d, d);
@@ -418,6 +526,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_merge_backward(co
         const acc_t* H = rp + p * m * m;
         const acc_t* hp = pp + p * m;
         // ∂H_post[j] = G_j · f, ∂H_res[i, j] = G_j · x_i
+        if (m == 4) {
+          for (int64_t j = 0; j < 4; ++j) {
+            acc_t sd[5];
+            dots4(sd, gs + j * d, xs, fs, d);
+            dpp[p * 4 + j] = sd[0];
+            for (int64_t i = 0; i < 4; ++i) drp[p * 16 + i * 4 + j] = sd[1 + i];
+          }
+          merge_streams_backward<4>(dxp + p * md, dfp + p * d, hp, H, gs, d);
+          continue;
+        }
         for (int64_t j = 0; j < m; ++j) {
           dpp[p * m + j] = dot<acc_t>(gs + j * d, fs, d);
           for (int64_t i = 0; i < m; ++i) drp[p * m * m + i * m + j] = dot<acc_t>(gs + j * d, xs + i * d, d);
