@@ -518,30 +518,36 @@ TEST(AttnResSepV, StartsAsAttnRes) {
   EXPECT_TRUE(close(a.hidden, b.hidden, "final hidden"));
 }
 
+// mHC with the reference composition and with the fused operators (ops/mhc_ops.h).
 TEST(Mhc, EqualsTheEquations) {
-  for (int64_t m : {1, 2, 4}) {
-    for (int64_t T : {1, 4}) {
-      SCOPED_TRACE(cat("m ", m, " T ", T));
-      ResidualConfig r = residual("mhc", 1);
-      r.streams = m;
-      check_against_reference(r, 2, T, [&](const at::Tensor& e, const Leaf& leaf) {
-        return mhc_ref(e, leaf, m, 4, "residual");
-      });
+  for (const char* impl : {"reference", "fused"})
+    for (int64_t m : {1, 2, 4}) {
+      for (int64_t T : {1, 4}) {
+        SCOPED_TRACE(cat(impl, " m ", m, " T ", T));
+        ResidualConfig r = residual("mhc", 1);
+        r.streams = m;
+        r.impl = impl;
+        check_against_reference(r, 2, T, [&](const at::Tensor& e, const Leaf& leaf) {
+          return mhc_ref(e, leaf, m, 4, "residual");
+        });
+      }
     }
-  }
 }
 
 TEST(AttnResMhc, EqualsTheEquations) {
-  for (PathwayCase c : {PathwayCase{2, 1, 3}, PathwayCase{3, 4, 3}}) {
-    SCOPED_TRACE(cat("S ", c.S));
-    std::unique_ptr<AttnResRef> a;
-    std::unique_ptr<MhcRef> h;
-    check_against_reference(residual("attnres_mhc", c.S), c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
-      a = attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual.attnres", false);
-      h = mhc_ref(e, leaf, 4, 2 * c.n_layers, "residual.mhc");
-      return std::make_unique<HybridRef>(*a, *h);
-    });
-  }
+  for (const char* impl : {"reference", "fused"})
+    for (PathwayCase c : {PathwayCase{2, 1, 3}, PathwayCase{3, 4, 3}}) {
+      SCOPED_TRACE(cat(impl, " S ", c.S));
+      std::unique_ptr<AttnResRef> a;
+      std::unique_ptr<MhcRef> h;
+      ResidualConfig r = residual("attnres_mhc", c.S);
+      r.impl = impl;
+      check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+        a = attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual.attnres", false);
+        h = mhc_ref(e, leaf, 4, 2 * c.n_layers, "residual.mhc");
+        return std::make_unique<HybridRef>(*a, *h);
+      });
+    }
 }
 
 std::unique_ptr<MsarRef> msar_ref(const at::Tensor& e, const Leaf& leaf, const ResidualConfig& r, int64_t L) {

@@ -1,0 +1,559 @@
+// CPU kernels of the fused mHC operators (MSAR eq. 3–5; DESIGN.md's parameterisation).
+//
+// Layout: the streams of token p are x_p = [x_1; …; x_m] ∈ R^{md} (x [P, m, d] contiguous), the
+// branch output f [P, d]; n = m² + 2m logits per token, ordered (pre: m, post: m, res: m² row-major
+// over (i, j)). Parallel over tokens p with at::parallel_for; loops over d are contiguous and
+// vectorised (`#pragma omp simd`, -fopenmp-simd); accumulation in the wide type acc_t (float32,
+// float64 for float64 inputs); bfloat16 storage is accepted.
+//
+// Pre-mix (eq. 3–4). With r = 1/√(mean(x²) + ε) over the md entries, u = x φᵀ ∈ R^n:
+//   z = r u                                   (the normalised projection, "proj", kept)
+//   l_k = α_{g(k)} z_k + b_k                  g(k) = pre, post, res for the three groups
+//   H_pre = σ(l_pre), H_post = 2σ(l_post), res_logits = l_res,  h = Σ_i H_pre[i] x_i
+// The product u = x φᵀ stays one ATen GEMM ([P, md] × [md, n], n = 24 for m = 4): a skinny GEMM
+// that the BLAS does at memory speed; everything around it is one pass over x per token.
+// Backward, from ḡ_h, ḡ_post, ḡ_res (undefined = 0):
+//   ∂l_pre,i = (ḡ_h · x_i) σ(1 − σ),  ∂l_post,i = ḡ_post,i 2σ(1 − σ),  ∂l_res = ḡ_res
+//   ∂b = Σ_p ∂l,  ∂α_g = Σ_p Σ_{k∈g} ∂l_k z_k,  ∂u_k = r α_k ∂l_k
+//   ∂φ = ∂uᵀ x (GEMM),  ∂x_i = [∂u φ]_i (GEMM) + H_pre[i] ḡ_h − (r² q / md) x_i,  q = Σ_k α_k ∂l_k z_k
+// (the last term is the path through r: ∂r/∂x = −r³ x / md and ∂r = q / r). Kept for the backward:
+// the inputs and proj [P, n]; r and H_pre are recomputed.
+//
+// Sinkhorn–Knopp (eq. 3, docs/design.md): P⁰ = exp(L − max L); for t = 1 … iters: rows
+// P ← P / s (s_i = Σ_j P_ij), then columns P ← P / c (c_j = Σ_i P_ij). All in acc_t; each
+// division is a multiplication by the sum's reciprocal, and m = 2, 4 are compiled with fixed m.
+// Backward per token recomputes the 2·iters normalisation steps into a small thread-local buffer
+// (the m² matrix after each step and its m sums) and walks them back:
+//   row step Q_ij = P_ij / s_i:     ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
+//   column step Q_ij = P_ij / c_j:  ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
+//   ∂L = ∂P⁰ ⊙ P⁰  (the max shift changes nothing). Only the logits are kept.
+//
+// Post + res merge (eq. 5): x'_j = H_post[j] f + Σ_i H_res[i, j] x_i. Backward from G = ∂x':
+//   ∂f = Σ_j H_post[j] G_j,  ∂H_post[j] = G_j · f,  ∂H_res[i, j] = G_j · x_i,  ∂x_i = Σ_j H_res[i, j] G_j.
+#include "depthkit/ops/cpu/mhc_cpu.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/stack.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit::cpu {
+
+namespace {
+
+at::ScalarType wide_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+template <class acc_t, class scalar_t>
+acc_t dot(const scalar_t* a, const scalar_t* b, int64_t d) {
+  acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
+  return s;
+}
+
+template <class acc_t>
+acc_t sigmoid(acc_t v) { return acc_t(1) / (acc_t(1) + std::exp(-v)); }
+
+// Contiguous loops over d, kept out of the AT_DISPATCH lambdas (a pragma can't sit in a macro
+// argument). a = w x;  a += w x;  o = a (rounded to storage);  o = c x + w g.
+template <class acc_t, class scalar_t>
+void set_scaled(acc_t* a, acc_t w, const scalar_t* x, int64_t d) {
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) a[e] = w * acc_t(x[e]);
+}
+template <class acc_t, class scalar_t>
+void add_scaled(acc_t* a, acc_t w, const scalar_t* x, int64_t d) {
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) a[e] += w * acc_t(x[e]);
+}
+template <class scalar_t, class acc_t>
+void store(scalar_t* o, const acc_t* a, int64_t d) {
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) o[e] = scalar_t(a[e]);
+}
+template <class acc_t, class scalar_t>
+void set_two_scaled(acc_t* o, acc_t c, const scalar_t* x, acc_t w, const scalar_t* g, int64_t d) {
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) o[e] = c * acc_t(x[e]) + w * acc_t(g[e]);
+}
+
+// A grain that gives each task a few thousand multiply-adds.
+int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
+
+// The leading dimensions [*] of a [*, a, b] tensor.
+std::vector<int64_t> lead(const at::Tensor& t, int64_t trailing) {
+  return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - trailing);
+}
+std::vector<int64_t> with(std::vector<int64_t> s, std::initializer_list<int64_t> tail) {
+  s.insert(s.end(), tail);
+  return s;
+}
+
+// Calls fn with the compile-time m (4 or 2) when it is one of those, else with 0.
+template <class Fn>
+void with_fixed_m(int64_t m, Fn&& fn) {
+  if (m == 4)
+    fn(std::integral_constant<int, 4>());
+  else if (m == 2)
+    fn(std::integral_constant<int, 2>());
+  else
+    fn(std::integral_constant<int, 0>());
+}
+
+// With m fixed at compile time (M > 0), one pass over d computes every output stream at once:
+// the M inputs of position e stay in registers instead of M read-modify-write passes.
+// out[e] = Σ_i w[i] x_i[e]                                                   (h of eq. 4)
+template <int M, class acc_t, class scalar_t>
+void mix_streams(scalar_t* out, const acc_t* w, const scalar_t* xs, int64_t d) {
+  acc_t wl[M];
+  for (int i = 0; i < M; ++i) wl[i] = w[i];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t a = 0;
+    for (int i = 0; i < M; ++i) a += wl[i] * acc_t(xs[i * d + e]);
+    out[e] = scalar_t(a);
+  }
+}
+// out_j[e] = post[j] f[e] + Σ_i H[i, j] x_i[e]                               (eq. 5)
+template <int M, class acc_t, class scalar_t>
+void merge_streams(scalar_t* out, const acc_t* post, const acc_t* H, const scalar_t* xs, const scalar_t* f, int64_t d) {
+  acc_t pl[M], Hl[M * M];
+  for (int i = 0; i < M; ++i) pl[i] = post[i];
+  for (int k = 0; k < M * M; ++k) Hl[k] = H[k];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t xv[M];
+    for (int i = 0; i < M; ++i) xv[i] = acc_t(xs[i * d + e]);
+    const acc_t fv = acc_t(f[e]);
+    for (int j = 0; j < M; ++j) {
+      acc_t a = pl[j] * fv;
+      for (int i = 0; i < M; ++i) a += Hl[i * M + j] * xv[i];
+      out[j * d + e] = scalar_t(a);
+    }
+  }
+}
+// The four dots of one G_j with x_0 … x_3 and with f in one pass (m = 4): s = (G_j·f, G_j·x_i).
+template <class acc_t, class scalar_t>
+void dots4(acc_t* s, const scalar_t* g, const scalar_t* xs, const scalar_t* f, int64_t d) {
+  acc_t sf = 0, s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : sf, s0, s1, s2, s3)
+  for (int64_t e = 0; e < d; ++e) {
+    const acc_t ge = acc_t(g[e]);
+    sf += ge * acc_t(f[e]);
+    s0 += ge * acc_t(xs[e]);
+    s1 += ge * acc_t(xs[d + e]);
+    s2 += ge * acc_t(xs[2 * d + e]);
+    s3 += ge * acc_t(xs[3 * d + e]);
+  }
+  s[0] = sf, s[1] = s0, s[2] = s1, s[3] = s2, s[4] = s3;
+}
+// df[e] = Σ_j post[j] G_j[e],  dx_i[e] = Σ_j H[i, j] G_j[e]                    (eq. 5, backward)
+template <int M, class acc_t, class scalar_t>
+void merge_streams_backward(scalar_t* dx, scalar_t* df, const acc_t* post, const acc_t* H, const scalar_t* gs,
+                            int64_t d) {
+  acc_t pl[M], Hl[M * M];
+  for (int i = 0; i < M; ++i) pl[i] = post[i];
+  for (int k = 0; k < M * M; ++k) Hl[k] = H[k];
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) {
+    acc_t gv[M];
+    for (int j = 0; j < M; ++j) gv[j] = acc_t(gs[j * d + e]);
+    acc_t a = 0;
+    for (int j = 0; j < M; ++j) a += pl[j] * gv[j];
+    df[e] = scalar_t(a);
+    for (int i = 0; i < M; ++i) {
+      acc_t b = 0;
+      for (int j = 0; j < M; ++j) b += Hl[i * M + j] * gv[j];
+      dx[i * d + e] = scalar_t(b);
+    }
+  }
+}
+
+void check_streams(const char* op, const at::Tensor& x) {
+  if (x.dim() < 2 || x.size(-2) < 1) fail(op, ": expected streams x [*, m, d] with m ≥ 1, got ", x.sizes());
+  if (!at::isFloatingType(x.scalar_type()) || x.scalar_type() == at::kHalf)
+    fail(op, ": x must be float32, float64 or bfloat16");
+}
+
+void check_pre(const at::Tensor& x, const at::Tensor& phi, const at::Tensor& bias, const at::Tensor& scale) {
+  check_streams("mhc_pre", x);
+  const int64_t m = x.size(-2), d = x.size(-1), n = m * m + 2 * m;
+  if (phi.dim() != 2 || phi.size(0) != n || phi.size(1) != m * d)
+    fail("mhc_pre: phi must be [m² + 2m, md] = [", n, ", ", m * d, "], got ", phi.sizes());
+  if (bias.dim() != 1 || bias.size(0) != n) fail("mhc_pre: bias must be [", n, "], got ", bias.sizes());
+  if (scale.dim() != 1 || scale.size(0) != 3) fail("mhc_pre: scale must be [3] (pre, post, res), got ", scale.sizes());
+  if (phi.scalar_type() != x.scalar_type()) fail("mhc_pre: x and phi must share a dtype");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Pre-mix
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const at::Tensor& x_, const at::Tensor& phi,
+                                                                           const at::Tensor& bias_,
+                                                                           const at::Tensor& scale_, double eps) {
+  check_pre(x_, phi, bias_, scale_);
+  const int64_t m = x_.size(-2), d = x_.size(-1), n = m * m + 2 * m, md = m * d;
+  const auto wide = wide_type(x_.scalar_type());
+  const at::Tensor x = x_.contiguous();
+  const int64_t P = md == 0 ? 0 : x.numel() / md;
+  const at::Tensor X = x.view({P, md});
+  // u = x φᵀ [P, n] in the wide type; overwritten in place with z = r u below.
+  at::Tensor proj = x.scalar_type() == wide ? at::mm(X, phi.t()) : at::mm(X.to(wide), phi.to(wide).t());
+  proj = proj.contiguous();
+  const at::Tensor bias = bias_.to(wide).contiguous(), scale = scale_.to(wide).contiguous();
+  at::Tensor h = at::empty({P, d}, x.options());
+  at::Tensor post = at::empty({P, m}, x.options().dtype(wide));
+  at::Tensor res = at::empty({P, m * m}, x.options().dtype(wide));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mhc_pre_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = X.const_data_ptr<scalar_t>();
+    const acc_t *bp = bias.const_data_ptr<acc_t>(), *ap = scale.const_data_ptr<acc_t>();
+    acc_t *zp = proj.mutable_data_ptr<acc_t>(), *postp = post.mutable_data_ptr<acc_t>(), *resp = res.mutable_data_ptr<acc_t>();
+    scalar_t* hp = h.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, P, grain(3 * md + n), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> acc(d), pre(m);
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t* xs = xp + p * md;
+        const acc_t r = acc_t(1) / std::sqrt(dot<acc_t>(xs, xs, md) / acc_t(md) + acc_t(eps));
+        acc_t* z = zp + p * n;
+        for (int64_t k = 0; k < n; ++k) z[k] *= r;
+        for (int64_t i = 0; i < m; ++i) pre[i] = sigmoid(ap[0] * z[i] + bp[i]);                          // H_pre
+        for (int64_t i = 0; i < m; ++i) postp[p * m + i] = 2 * sigmoid(ap[1] * z[m + i] + bp[m + i]);  // H_post
+        for (int64_t k = 0; k < m * m; ++k) resp[p * m * m + k] = ap[2] * z[2 * m + k] + bp[2 * m + k];
+        // eq. 4: h = Σ_i H_pre[i] x_i
+        if (m == 4) {
+          mix_streams<4>(hp + p * d, pre.data(), xs, d);
+        } else {
+          set_scaled(acc.data(), pre[0], xs, d);
+          for (int64_t i = 1; i < m; ++i) add_scaled(acc.data(), pre[i], xs + i * d, d);
+          store(hp + p * d, acc.data(), d);
+        }
+      }
+    });
+  });
+  const auto L = lead(x, 2);
+  return {h.view(with(L, {d})), post.view(with(L, {m})), res.view(with(L, {m, m})), proj.view(with(L, {n}))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
+    const at::Tensor& grad_h_, const at::Tensor& grad_post_, const at::Tensor& grad_res_, const at::Tensor& x_,
+    const at::Tensor& phi, const at::Tensor& bias_, const at::Tensor& scale_, const at::Tensor& proj_, double eps) {
+  check_pre(x_, phi, bias_, scale_);
+  const int64_t m = x_.size(-2), d = x_.size(-1), n = m * m + 2 * m, md = m * d;
+  const auto wide = wide_type(x_.scalar_type());
+  const at::Tensor x = x_.contiguous();
+  const int64_t P = md == 0 ? 0 : x.numel() / md;
+  const at::Tensor X = x.view({P, md});
+  const at::Tensor proj = proj_.to(wide).contiguous().view({P, n});
+  const at::Tensor bias = bias_.to(wide).contiguous(), scale = scale_.to(wide).contiguous();
+  const at::Tensor gh = grad_h_.defined() ? grad_h_.to(x.scalar_type()).contiguous() : at::Tensor();
+  const at::Tensor gpost = grad_post_.defined() ? grad_post_.to(wide).contiguous() : at::Tensor();
+  const at::Tensor gres = grad_res_.defined() ? grad_res_.to(wide).contiguous() : at::Tensor();
+  const auto wopt = x.options().dtype(wide);
+  at::Tensor dl = at::empty({P, n}, wopt);   // ∂l
+  at::Tensor du = at::empty({P, n}, wopt);   // ∂u = r α ∂l
+  at::Tensor dx = at::empty({P, md}, wopt);  // H_pre[i] ḡ_h − (r² q / md) x_i, then + ∂u φ
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mhc_pre_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = X.const_data_ptr<scalar_t>();
+    const scalar_t* ghp = gh.defined() ? gh.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t* gpp = gpost.defined() ? gpost.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* grp = gres.defined() ? gres.const_data_ptr<acc_t>() : nullptr;
+    const acc_t *zp = proj.const_data_ptr<acc_t>(), *bp = bias.const_data_ptr<acc_t>(), *ap = scale.const_data_ptr<acc_t>();
+    acc_t *dlp = dl.mutable_data_ptr<acc_t>(), *dup = du.mutable_data_ptr<acc_t>(), *dxp = dx.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(4 * md + 2 * n), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> pre(m);
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t* xs = xp + p * md;
+        const scalar_t* g = ghp ? ghp + p * d : nullptr;
+        const acc_t r = acc_t(1) / std::sqrt(dot<acc_t>(xs, xs, md) / acc_t(md) + acc_t(eps));
+        const acc_t* z = zp + p * n;
+        acc_t* dlk = dlp + p * n;
+        for (int64_t i = 0; i < m; ++i) {
+          const acc_t s = sigmoid(ap[0] * z[i] + bp[i]);
+          pre[i] = s;
+          dlk[i] = g ? dot<acc_t>(g, xs + i * d, d) * s * (1 - s) : acc_t(0);
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          const acc_t s = sigmoid(ap[1] * z[m + i] + bp[m + i]);
+          dlk[m + i] = gpp ? gpp[p * m + i] * 2 * s * (1 - s) : acc_t(0);
+        }
+        for (int64_t k = 0; k < m * m; ++k) dlk[2 * m + k] = grp ? grp[p * m * m + k] : acc_t(0);
+        acc_t q = 0;
+        acc_t* duk = dup + p * n;
+        for (int64_t k = 0; k < n; ++k) {
+          const acc_t a = ap[k < m ? 0 : k < 2 * m ? 1 : 2];
+          q += a * dlk[k] * z[k];
+          duk[k] = r * a * dlk[k];
+        }
+        const acc_t c = -q * r * r / acc_t(md);
+        for (int64_t i = 0; i < m; ++i) {
+          if (g)
+            set_two_scaled(dxp + p * md + i * d, c, xs + i * d, pre[i], g, d);
+          else
+            set_scaled(dxp + p * md + i * d, c, xs + i * d, d);
+        }
+      }
+    });
+  });
+  // The two GEMMs of the projection's backward: ∂x += ∂u φ, ∂φ = ∂uᵀ x.
+  const at::Tensor phi_w = phi.to(wide);
+  dx.addmm_(du, phi_w);
+  at::Tensor dphi = at::mm(du.t(), x.scalar_type() == wide ? X : X.to(wide));
+  at::Tensor dbias = dl.sum(0);
+  at::Tensor dlz = (dl * proj).sum(0);
+  at::Tensor dscale = at::stack({dlz.narrow(0, 0, m).sum(), dlz.narrow(0, m, m).sum(), dlz.narrow(0, 2 * m, m * m).sum()});
+  return {dx.to(x.scalar_type()).view(x_.sizes()), dphi.to(phi.scalar_type()), dbias.to(bias_.scalar_type()),
+          dscale.to(scale_.scalar_type())};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sinkhorn–Knopp
+
+namespace {
+
+void check_square(const char* op, const at::Tensor& t) {
+  if (t.dim() < 2 || t.size(-1) != t.size(-2) || t.size(-1) < 1) fail(op, ": expected logits [*, m, m], got ", t.sizes());
+  if (!at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kHalf)
+    fail(op, ": logits must be float32, float64 or bfloat16");
+}
+
+// One token's Sinkhorn–Knopp. M > 0 fixes m at compile time (the loops unroll; m = 4 is the
+// common case), M = 0 reads it from m_rt. Each step multiplies by the reciprocal of its sums.
+// P⁰ = exp(L − max L) goes to q[0 … m²). With keep, every step's result follows it in q
+// (2·iters matrices) and its reciprocal sums go to inv (2·iters·m) for the backward; otherwise q
+// is updated in place and inv is m scratch values.
+template <int M, class acc_t>
+void sinkhorn_token(const acc_t* l, acc_t* q, acc_t* inv, int64_t m_rt, int64_t iters, bool keep) {
+  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
+  acc_t mx = l[0];
+  for (int64_t k = 1; k < mm; ++k) mx = std::max(mx, l[k]);
+  for (int64_t k = 0; k < mm; ++k) q[k] = std::exp(l[k] - mx);
+  acc_t* cur = q;
+  for (int64_t t = 0; t < iters; ++t) {
+    acc_t* nxt = keep ? cur + mm : cur;
+    acc_t* s = keep ? inv + 2 * t * m : inv;
+    for (int64_t i = 0; i < m; ++i) {  // rows
+      acc_t sum = 0;
+      for (int64_t j = 0; j < m; ++j) sum += cur[i * m + j];
+      s[i] = acc_t(1) / sum;
+    }
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[i];
+    cur = nxt;
+    nxt = keep ? cur + mm : cur;
+    s = keep ? inv + (2 * t + 1) * m : inv;
+    for (int64_t j = 0; j < m; ++j) s[j] = 0;  // columns
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) s[j] += cur[i * m + j];
+    for (int64_t j = 0; j < m; ++j) s[j] = acc_t(1) / s[j];
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[j];
+    cur = nxt;
+  }
+}
+
+// One token's backward: recompute into q / inv, then walk the steps back from g = ∂H_res
+// (tt: m scratch values).
+template <int M, class acc_t>
+void sinkhorn_token_backward(const acc_t* l, const acc_t* grad, acc_t* dl, acc_t* q, acc_t* inv, acc_t* g,
+                             acc_t* tt, int64_t m_rt, int64_t iters) {
+  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
+  sinkhorn_token<M>(l, q, inv, m, iters, true);
+  for (int64_t k = 0; k < mm; ++k) g[k] = grad[k];
+  for (int64_t step = 2 * iters - 1; step >= 0; --step) {
+    const acc_t* out = q + (step + 1) * mm;  // the matrix this step produced
+    const acc_t* s = inv + step * m;
+    if (step % 2 == 1) {  // columns: ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
+      for (int64_t j = 0; j < m; ++j) tt[j] = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < m; ++j) tt[j] += g[i * m + j] * out[i * m + j];
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - tt[j]) * s[j];
+    } else {  // rows: ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
+      for (int64_t i = 0; i < m; ++i) {
+        acc_t t = 0;
+        for (int64_t j = 0; j < m; ++j) t += g[i * m + j] * out[i * m + j];
+        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - t) * s[i];
+      }
+    }
+  }
+  for (int64_t k = 0; k < mm; ++k) dl[k] = g[k] * q[k];  // ∂L = ∂P⁰ ⊙ P⁰
+}
+
+}  // namespace
+
+at::Tensor mhc_sinkhorn_forward(const at::Tensor& logits, int64_t iters) {
+  check_square("mhc_sinkhorn", logits);
+  if (iters < 0) fail("mhc_sinkhorn: iters must be ≥ 0, got ", iters);
+  const int64_t m = logits.size(-1), mm = m * m;
+  const at::Tensor L = logits.to(wide_type(logits.scalar_type())).contiguous();
+  const int64_t P = L.numel() / mm;
+  at::Tensor H = at::empty_like(L);
+  AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "mhc_sinkhorn_forward", [&] {
+    const scalar_t* lp = L.const_data_ptr<scalar_t>();
+    scalar_t* hp = H.mutable_data_ptr<scalar_t>();
+    with_fixed_m(m, [&](auto M) {
+      at::parallel_for(0, P, grain(2 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
+        std::vector<scalar_t> inv(m);
+        for (int64_t p = p0; p < p1; ++p)
+          sinkhorn_token<decltype(M)::value>(lp + p * mm, hp + p * mm, inv.data(), m, iters, false);
+      });
+    });
+  });
+  return H;
+}
+
+at::Tensor mhc_sinkhorn_backward(const at::Tensor& grad, const at::Tensor& logits, int64_t iters) {
+  check_square("mhc_sinkhorn_backward", logits);
+  const int64_t m = logits.size(-1), mm = m * m;
+  const auto wide = wide_type(logits.scalar_type());
+  const at::Tensor L = logits.to(wide).contiguous(), G = grad.to(wide).contiguous();
+  if (G.sizes() != L.sizes()) fail("mhc_sinkhorn_backward: grad ", grad.sizes(), " and logits ", logits.sizes(), " differ");
+  const int64_t P = L.numel() / mm;
+  at::Tensor dL = at::empty_like(L);
+  AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "mhc_sinkhorn_backward", [&] {
+    const scalar_t *lp = L.const_data_ptr<scalar_t>(), *gp = G.const_data_ptr<scalar_t>();
+    scalar_t* dp = dL.mutable_data_ptr<scalar_t>();
+    with_fixed_m(m, [&](auto M) {
+      at::parallel_for(0, P, grain(5 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
+        std::vector<scalar_t> q((2 * iters + 1) * mm), inv(2 * iters * m + 1), g(mm), tt(m);
+        for (int64_t p = p0; p < p1; ++p)
+          sinkhorn_token_backward<decltype(M)::value>(lp + p * mm, gp + p * mm, dp + p * mm, q.data(), inv.data(),
+                                                      g.data(), tt.data(), m, iters);
+      });
+    });
+  });
+  return dL.to(logits.scalar_type());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Post + res merge
+
+namespace {
+
+void check_merge(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post, const at::Tensor& h_res) {
+  check_streams("mhc_merge", x);
+  const int64_t m = x.size(-2), d = x.size(-1);
+  const auto L = lead(x, 2);
+  const auto f_shape = with(L, {d}), post_shape = with(L, {m}), res_shape = with(L, {m, m});
+  if (f.sizes() != at::IntArrayRef(f_shape)) fail("mhc_merge: f must be ", at::IntArrayRef(f_shape), ", got ", f.sizes());
+  if (h_post.sizes() != at::IntArrayRef(post_shape))
+    fail("mhc_merge: h_post must be ", at::IntArrayRef(post_shape), ", got ", h_post.sizes());
+  if (h_res.sizes() != at::IntArrayRef(res_shape))
+    fail("mhc_merge: h_res must be ", at::IntArrayRef(res_shape), ", got ", h_res.sizes());
+  if (f.scalar_type() != x.scalar_type()) fail("mhc_merge: x and f must share a dtype");
+}
+
+}  // namespace
+
+at::Tensor mhc_merge_forward(const at::Tensor& x_, const at::Tensor& f_, const at::Tensor& h_post,
+                             const at::Tensor& h_res) {
+  check_merge(x_, f_, h_post, h_res);
+  const int64_t m = x_.size(-2), d = x_.size(-1), md = m * d;
+  const auto wide = wide_type(x_.scalar_type());
+  const at::Tensor x = x_.contiguous(), f = f_.contiguous();
+  const at::Tensor post = h_post.to(wide).contiguous(), res = h_res.to(wide).contiguous();
+  const int64_t P = md == 0 ? 0 : x.numel() / md;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mhc_merge_forward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *fp = f.const_data_ptr<scalar_t>();
+    const acc_t *pp = post.const_data_ptr<acc_t>(), *rp = res.const_data_ptr<acc_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, P, grain((m + 1) * md), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> acc(d);
+      acc_t* a = acc.data();
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t* fs = fp + p * d;
+        const scalar_t* xs = xp + p * md;
+        const acc_t* H = rp + p * m * m;
+        if (m == 4) {
+          merge_streams<4>(op + p * md, pp + p * m, H, xs, fs, d);
+          continue;
+        }
+        for (int64_t j = 0; j < m; ++j) {
+          set_scaled(a, pp[p * m + j], fs, d);
+          for (int64_t i = 0; i < m; ++i) add_scaled(a, H[i * m + j], xs + i * d, d);
+          store(op + p * md + j * d, a, d);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_merge_backward(const at::Tensor& grad_,
+                                                                              const at::Tensor& x_, const at::Tensor& f_,
+                                                                              const at::Tensor& h_post,
+                                                                              const at::Tensor& h_res) {
+  check_merge(x_, f_, h_post, h_res);
+  const int64_t m = x_.size(-2), d = x_.size(-1), md = m * d;
+  const auto wide = wide_type(x_.scalar_type());
+  const at::Tensor x = x_.contiguous(), f = f_.contiguous(), G = grad_.to(x.scalar_type()).contiguous();
+  if (G.sizes() != x.sizes()) fail("mhc_merge_backward: grad ", grad_.sizes(), " and x ", x.sizes(), " differ");
+  const at::Tensor post = h_post.to(wide).contiguous(), res = h_res.to(wide).contiguous();
+  const int64_t P = md == 0 ? 0 : x.numel() / md;
+  at::Tensor dx = at::empty(x.sizes(), x.options()), df = at::empty(f.sizes(), f.options());
+  at::Tensor dpost = at::empty(post.sizes(), post.options()), dres = at::empty(res.sizes(), res.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mhc_merge_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *fp = f.const_data_ptr<scalar_t>(), *gp = G.const_data_ptr<scalar_t>();
+    const acc_t *pp = post.const_data_ptr<acc_t>(), *rp = res.const_data_ptr<acc_t>();
+    scalar_t *dxp = dx.mutable_data_ptr<scalar_t>(), *dfp = df.mutable_data_ptr<scalar_t>();
+    acc_t *dpp = dpost.mutable_data_ptr<acc_t>(), *drp = dres.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain((3 * m + 2) * md), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> acc(d);
+      acc_t* a = acc.data();
+      for (int64_t p = p0; p < p1; ++p) {
+        const scalar_t* fs = fp + p * d;
+        const scalar_t* xs = xp + p * md;
+        const scalar_t* gs = gp + p * md;
+        const acc_t* H = rp + p * m * m;
+        const acc_t* hp = pp + p * m;
+        // ∂H_post[j] = G_j · f, ∂H_res[i, j] = G_j · x_i
+        if (m == 4) {
+          for (int64_t j = 0; j < 4; ++j) {
+            acc_t sd[5];
+            dots4(sd, gs + j * d, xs, fs, d);
+            dpp[p * 4 + j] = sd[0];
+            for (int64_t i = 0; i < 4; ++i) drp[p * 16 + i * 4 + j] = sd[1 + i];
+          }
+          merge_streams_backward<4>(dxp + p * md, dfp + p * d, hp, H, gs, d);
+          continue;
+        }
+        for (int64_t j = 0; j < m; ++j) {
+          dpp[p * m + j] = dot<acc_t>(gs + j * d, fs, d);
+          for (int64_t i = 0; i < m; ++i) drp[p * m * m + i * m + j] = dot<acc_t>(gs + j * d, xs + i * d, d);
+        }
+        // ∂f = Σ_j H_post[j] G_j
+        set_scaled(a, hp[0], gs, d);
+        for (int64_t j = 1; j < m; ++j) add_scaled(a, hp[j], gs + j * d, d);
+        store(dfp + p * d, a, d);
+        // ∂x_i = Σ_j H_res[i, j] G_j
+        for (int64_t i = 0; i < m; ++i) {
+          set_scaled(a, H[i * m], gs, d);
+          for (int64_t j = 1; j < m; ++j) add_scaled(a, H[i * m + j], gs + j * d, d);
+          store(dxp + p * md + i * d, a, d);
+        }
+      }
+    });
+  });
+  return {dx.view(x_.sizes()), df.view(f_.sizes()), dpost.to(h_post.scalar_type()), dres.to(h_res.scalar_type())};
+}
+
+}  // namespace depthkit::cpu

@@ -1,0 +1,370 @@
+// The fused mHC operators (ops/mhc_ops.h) against the reference composition (pathways/mhc.h):
+// forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes with
+// m = 1, 2, 4, odd d, B·T = 1 and larger, with random parameters that make H_res far from uniform;
+// a finite-difference gradient check in float64 for each op; bfloat16; the Mhc pathway with
+// impl = fused against impl = reference. FusedMhc.DISABLED_Speed times them (run it by name).
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/amax.h>
+#include <ATen/ops/amin.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+
+#include "depthkit/model/parameters.h"
+#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/mhc_ops.h"
+#include "depthkit/pathways/mhc.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
+  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": undefined tensor";
+  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape " << a.sizes() << " vs " << b.sizes();
+  const double scale = std::max(1.0, b.abs().max().item<double>());
+  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+  if (err <= rtol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
+}
+
+struct Shape {
+  int64_t m, B, T, d;
+};
+const Shape kShapes[] = {{1, 1, 1, 1}, {1, 2, 3, 7}, {2, 1, 1, 5}, {2, 3, 5, 9},
+                         {4, 1, 1, 7}, {4, 2, 7, 13}, {4, 3, 11, 33}};
+
+std::vector<at::Tensor> leaf_copies(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().clone().requires_grad_());
+  return out;
+}
+
+// Random pre-mix inputs: φ with unit-variance projections, α = (pre, post, res) large enough that
+// the logits spread over several units (H_res far from uniform), random bias.
+std::vector<at::Tensor> pre_inputs(const Shape& s, at::ScalarType dtype, at::Generator& g) {
+  const auto opt = at::TensorOptions().dtype(dtype);
+  const int64_t n = s.m * s.m + 2 * s.m, md = s.m * s.d;
+  at::Tensor x = at::randn({s.B, s.T, s.m, s.d}, g, opt) * 1.3 + 0.2;
+  at::Tensor phi = at::randn({n, md}, g, opt) / std::sqrt(double(md));
+  at::Tensor bias = at::randn({n}, g, opt) * 0.5;
+  at::Tensor scale = at::tensor({1.7, -2.3, 3.1}, opt) * (1 + 0.1 * at::randn({3}, g, opt));
+  return {x.requires_grad_(), phi.requires_grad_(), bias.requires_grad_(), scale.requires_grad_()};
+}
+
+void compare_pre(const Shape& s, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d);
+  auto in = pre_inputs(s, dtype, g), ref_in = leaf_copies(in);
+  auto [h, post, res] = fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps);
+  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
+  EXPECT_TRUE(near(h, ref_h, rtol, "h"));
+  EXPECT_TRUE(near(post, ref_post, rtol, "H_post"));
+  EXPECT_TRUE(near(res, ref_res, rtol, "H_res logits"));
+  if (s.m > 1) EXPECT_GT((ref_res.amax({-2, -1}) - ref_res.amin({-2, -1})).min().item<double>(), 1.0)
+      << "the H_res logits must spread (non-trivial parameters)";
+  const auto opt = at::TensorOptions().dtype(dtype);
+  at::Tensor wh = at::randn(h.sizes(), g, opt), wp = at::randn(post.sizes(), g, opt), wr = at::randn(res.sizes(), g, opt);
+  ((h * wh).sum() + (post * wp).sum() + (res * wr).sum()).backward();
+  ((ref_h * wh).sum() + (ref_post * wp).sum() + (ref_res * wr).sum()).backward();
+  const char* names[] = {"d x", "d phi", "d bias", "d scale"};
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(in[i].grad(), ref_in[i].grad(), rtol, names[i]));
+}
+
+void compare_sinkhorn(const Shape& s, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 1);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  at::Tensor l = (at::randn({s.B, s.T, s.m, s.m}, g, opt) * 2.5).requires_grad_();
+  at::Tensor l2 = l.detach().clone().requires_grad_();
+  at::Tensor H = fused::mhc_sinkhorn(l, 20), ref = mhc_sinkhorn_reference(l2, 20);
+  EXPECT_TRUE(near(H, ref, rtol, "H_res"));
+  if (s.m > 1)  // far from uniform: on average the entries of a token's H_res spread over more than 0.3
+    EXPECT_GT((ref.amax({-2, -1}) - ref.amin({-2, -1})).mean().item<double>(), 0.3) << "H_res near uniform";
+  at::Tensor w = at::randn(H.sizes(), g, opt);
+  (H * w).sum().backward();
+  (ref * w).sum().backward();
+  EXPECT_TRUE(near(l.grad(), l2.grad(), rtol, "d logits"));
+}
+
+void compare_merge(const Shape& s, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 2);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  std::vector<at::Tensor> in = {at::randn({s.B, s.T, s.m, s.d}, g, opt).requires_grad_(),
+                                at::randn({s.B, s.T, s.d}, g, opt).requires_grad_(),
+                                (at::randn({s.B, s.T, s.m}, g, opt) + 1).requires_grad_(),
+                                at::randn({s.B, s.T, s.m, s.m}, g, opt).requires_grad_()};
+  auto ref_in = leaf_copies(in);
+  at::Tensor out = fused::mhc_merge(in[0], in[1], in[2], in[3]);
+  at::Tensor ref = mhc_merge_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
+  EXPECT_TRUE(near(out, ref, rtol, "x'"));
+  at::Tensor w = at::randn(out.sizes(), g, opt);
+  (out * w).sum().backward();
+  (ref * w).sum().backward();
+  const char* names[] = {"d x", "d f", "d H_post", "d H_res"};
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(in[i].grad(), ref_in[i].grad(), rtol, names[i]));
+}
+
+// Central finite differences in float64 of a scalar function against its backward (gradcheck).
+void gradcheck(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f, const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_());
+  f(leaves).backward();
+  const double h = 1e-6;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    at::Tensor numeric = at::zeros_like(inputs[i]);
+    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
+      auto plus = inputs, minus = inputs;
+      plus[i] = inputs[i].clone();
+      minus[i] = inputs[i].clone();
+      plus[i].view(-1)[j] += h;
+      minus[i].view(-1)[j] -= h;
+      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
+    }
+    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
+  }
+}
+
+}  // namespace
+
+TEST(FusedMhc, PreMixEqualsReference) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(cat("m ", s.m, " B ", s.B, " T ", s.T, " d ", s.d));
+    compare_pre(s, at::kDouble, 1e-10);
+    compare_pre(s, at::kFloat, 1e-5);
+  }
+}
+
+TEST(FusedMhc, SinkhornEqualsReference) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(cat("m ", s.m, " B ", s.B, " T ", s.T));
+    compare_sinkhorn(s, at::kDouble, 1e-10);
+    compare_sinkhorn(s, at::kFloat, 1e-5);
+  }
+}
+
+TEST(FusedMhc, MergeEqualsReference) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(cat("m ", s.m, " B ", s.B, " T ", s.T, " d ", s.d));
+    compare_merge(s, at::kDouble, 1e-10);
+    compare_merge(s, at::kFloat, 1e-5);
+  }
+}
+
+TEST(FusedMhc, PreMixGradcheckFloat64) {
+  auto g = generator(31);
+  auto in = pre_inputs({3, 2, 1, 3}, at::kDouble, g);
+  for (auto& t : in) t = t.detach();
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor wh = at::randn({2, 1, 3}, g, opt), wp = at::randn({2, 1, 3}, g, opt), wr = at::randn({2, 1, 3, 3}, g, opt);
+  gradcheck([&](const std::vector<at::Tensor>& v) {
+    auto [h, post, res] = fused::mhc_pre(v[0], v[1], v[2], v[3], kKeyNormEps);
+    return (h * wh).sum() + (post * wp).sum() + (res * wr).sum();
+  }, in);
+}
+
+TEST(FusedMhc, SinkhornGradcheckFloat64) {
+  auto g = generator(32);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  for (int64_t m : {1, 2, 4}) {
+    SCOPED_TRACE(cat("m ", m));
+    at::Tensor l = at::randn({3, m, m}, g, opt) * 2, w = at::randn({3, m, m}, g, opt);
+    gradcheck([&](const std::vector<at::Tensor>& v) { return (fused::mhc_sinkhorn(v[0], 20) * w).sum(); }, {l});
+  }
+}
+
+TEST(FusedMhc, MergeGradcheckFloat64) {
+  auto g = generator(33);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  std::vector<at::Tensor> in = {at::randn({2, 3, 5}, g, opt), at::randn({2, 5}, g, opt), at::randn({2, 3}, g, opt),
+                                at::randn({2, 3, 3}, g, opt)};
+  at::Tensor w = at::randn({2, 3, 5}, g, opt);
+  gradcheck([&](const std::vector<at::Tensor>& v) { return (fused::mhc_merge(v[0], v[1], v[2], v[3]) * w).sum(); }, in);
+}
+
+TEST(FusedMhc, BFloat16WithinItsPrecision) {
+  auto g = generator(34);
+  const Shape s{4, 2, 16, 64};
+  auto in = pre_inputs(s, at::kFloat, g);
+  std::vector<at::Tensor> bf, f32;  // bf16 inputs, and the same values in float32
+  for (auto& t : in) {
+    bf.push_back(t.detach().to(at::kBFloat16));
+    f32.push_back(bf.back().to(at::kFloat));
+  }
+  auto [h, post, res] = fused::mhc_pre(bf[0], bf[1], bf[2], bf[3], kKeyNormEps);
+  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(f32[0], f32[1], f32[2], f32[3]);
+  EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(res.scalar_type(), at::kFloat);
+  EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));        // one bf16 rounding of the output: 2^-8
+  EXPECT_TRUE(near(post, ref_post, 1e-4, "bf16 H_post (float32)"));
+  EXPECT_TRUE(near(res, ref_res, 1e-4, "bf16 H_res logits (float32)"));
+  at::Tensor H = fused::mhc_sinkhorn(res, 20);
+  at::Tensor ref_H = mhc_sinkhorn_reference(ref_res, 20);
+  EXPECT_TRUE(near(H, ref_H, 1e-4, "bf16 H_res (float32)"));
+  at::Tensor f = at::randn({s.B, s.T, s.d}, g).to(at::kBFloat16);
+  at::Tensor out = fused::mhc_merge(bf[0], f, post, H);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(near(out, mhc_merge_reference(f32[0], f.to(at::kFloat), ref_post, ref_H), 2e-2, "bf16 x'"));
+}
+
+TEST(FusedMhc, BadShapesAreClearErrors) {
+  at::Tensor x = at::zeros({2, 3, 4}), f = at::zeros({2, 4});
+  expect_error([&] { fused::mhc_pre(x, at::zeros({15, 11}), at::zeros({15}), at::zeros({3}), 1e-6); },
+               {"mhc_pre", "phi"});
+  expect_error([&] { fused::mhc_pre(x, at::zeros({15, 12}), at::zeros({15}), at::zeros({2}), 1e-6); },
+               {"mhc_pre", "scale"});
+  expect_error([&] { fused::mhc_sinkhorn(at::zeros({2, 3, 4}), 20); }, {"mhc_sinkhorn", "[*, m, m]"});
+  expect_error([&] { fused::mhc_merge(x, at::zeros({2, 5}), at::zeros({2, 3}), at::zeros({2, 3, 3})); },
+               {"mhc_merge", "f must be"});
+  expect_error([&] { fused::mhc_merge(x, f, at::zeros({2, 3}), at::zeros({2, 3, 2})); }, {"mhc_merge", "h_res"});
+}
+
+// The whole pathway: impl = fused equals impl = reference (every branch input, the final hidden
+// state, the gradients of the embedding, the branches and every mHC parameter), random parameters.
+TEST(FusedMhc, PathwayEqualsReference) {
+  for (auto dtype : {at::kDouble, at::kFloat})
+    for (int64_t m : {1, 2, 4}) {
+      SCOPED_TRACE(cat("dtype ", dtype, " m ", m));
+      const double rtol = dtype == at::kDouble ? 1e-10 : 1e-5;
+      ModelConfig model;
+      model.n_layers = 2;
+      model.d_model = 7;
+      const int64_t L = model.n_branches(), d = model.d_model;
+      ResidualConfig r;
+      r.kind = "mhc";
+      r.streams = m;
+      ParameterStore ps_ref(at::kCPU, 3, dtype), ps_fused(at::kCPU, 3, dtype);
+      r.impl = "reference";
+      auto ref = make_pathway(r, model, ps_ref);
+      r.impl = "fused";
+      auto fus = make_pathway(r, model, ps_fused);
+      {
+        auto g = generator(41);
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < ps_ref.all().size(); ++i) {
+          ps_ref.all()[i].tensor.normal_(0.0, 0.7, g);
+          ps_fused.all()[i].tensor.copy_(ps_ref.all()[i].tensor);
+        }
+      }
+      auto g = generator(42);
+      const auto opt = at::TensorOptions().dtype(dtype);
+      at::Tensor e = at::randn({2, 5, d}, g, opt);
+      std::vector<at::Tensor> W;
+      for (int64_t l = 0; l < L; ++l) W.push_back(at::randn({d, d}, g, opt) * 0.6);
+      auto run = [&](ResidualPathway& path, std::vector<at::Tensor>& inputs, at::Tensor& emb, std::vector<at::Tensor>& Ws) {
+        emb = e.clone().requires_grad_();
+        for (auto& w : W) Ws.push_back(w.clone().requires_grad_());
+        auto state = path.begin(emb);
+        for (int64_t l = 1; l <= L; ++l) {
+          at::Tensor h = path.read(*state, l);
+          inputs.push_back(h);
+          path.write(*state, l, 0.5 * at::tanh(at::matmul(h, Ws[l - 1])));
+        }
+        return path.finish(*state);
+      };
+      std::vector<at::Tensor> in_ref, in_fus, W_ref, W_fus;
+      at::Tensor e_ref, e_fus;
+      at::Tensor hid_ref = run(*ref, in_ref, e_ref, W_ref), hid_fus = run(*fus, in_fus, e_fus, W_fus);
+      for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(near(in_fus[l], in_ref[l], rtol, cat("h_", l + 1)));
+      EXPECT_TRUE(near(hid_fus, hid_ref, rtol, "final hidden"));
+      at::Tensor w = at::randn(hid_ref.sizes(), g, opt);
+      (hid_ref * w).sum().backward();
+      (hid_fus * w).sum().backward();
+      EXPECT_TRUE(near(e_fus.grad(), e_ref.grad(), rtol, "d embedding"));
+      for (int64_t l = 0; l < L; ++l) EXPECT_TRUE(near(W_fus[l].grad(), W_ref[l].grad(), rtol, cat("d W_", l + 1)));
+      for (size_t i = 0; i < ps_ref.all().size(); ++i)
+        EXPECT_TRUE(near(ps_fused.all()[i].tensor.grad(), ps_ref.all()[i].tensor.grad(), rtol,
+                         "d " + ps_ref.all()[i].name));
+    }
+}
+
+TEST(FusedMhc, ConfigAcceptsFusedForMhcKinds) {
+  const std::string base = small_config("unused").to_toml();
+  for (const char* kind : {"residual.kind=mhc", "residual.kind=attnres_mhc"})
+    EXPECT_EQ(Config::parse(base, "x.toml", {kind, "residual.impl=fused"}).residual.impl, "fused") << kind;
+}
+
+// Forward + backward of each fused op against its reference composition, float32, at the tiny
+// config's shapes (m = 4, d = 128, B·T = 4096, 20 Sinkhorn rounds) and at d = 640. Medians of
+// repeats, both in this process. Run: build/depthkit_tests --gtest_also_run_disabled_tests
+//   --gtest_filter='FusedMhc.DISABLED_Speed'
+TEST(FusedMhc, DISABLED_Speed) {
+  auto median_ms = [](const std::function<void()>& fn) {
+    fn();  // warm-up
+    std::vector<double> t;
+    for (int r = 0; r < 9; ++r) {
+      auto t0 = std::chrono::steady_clock::now();
+      fn();
+      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  for (int64_t d : {128, 640}) {
+    const Shape s{4, 1, 4096, d};
+    auto g = generator(50);
+    auto in = pre_inputs(s, at::kFloat, g);
+    at::Tensor l = (at::randn({s.B, s.T, 4, 4}, g) * 2.5).requires_grad_();
+    at::Tensor f = at::randn({s.B, s.T, d}, g).requires_grad_();
+    at::Tensor post = (at::randn({s.B, s.T, 4}, g) + 1).requires_grad_(), H = at::randn({s.B, s.T, 4, 4}, g).requires_grad_();
+    // Backward from a weighted sum (a contiguous output gradient, as in training); the leaves' .grad
+    // are reset first so that accumulation into them is not timed.
+    std::vector<at::Tensor> leaves = {in[0], in[1], in[2], in[3], l, f, post, H};
+    auto finish = [&](const std::vector<at::Tensor>& outs) {
+      if (!at::GradMode::is_enabled()) return;  // forward only under NoGradGuard
+      for (auto& t : leaves) t.mutable_grad().reset();
+      std::vector<at::Tensor> grads;
+      for (const auto& o : outs) grads.push_back(at::ones_like(o));
+      torch::autograd::backward(outs, grads);
+    };
+    auto pre_of = [&](bool fz) {
+      return [&, fz] {
+        auto [h, p, r] = fz ? fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps)
+                            : mhc_pre_reference(in[0], in[1], in[2], in[3]);
+        finish({h, p, r});
+      };
+    };
+    auto sink_of = [&](bool fz) {
+      return [&, fz] { finish({fz ? fused::mhc_sinkhorn(l, 20) : mhc_sinkhorn_reference(l, 20)}); };
+    };
+    auto merge_of = [&](bool fz) {
+      return [&, fz] {
+        finish({fz ? fused::mhc_merge(in[0], f, post, H) : mhc_merge_reference(in[0], f, post, H)});
+      };
+    };
+    struct Row {
+      const char* name;
+      std::function<std::function<void()>(bool)> make;
+    };
+    // A plain copy of the streams in the same run: the memory-speed yardstick.
+    const double copy_ms = median_ms([&] { at::Tensor c = in[0].detach().clone(); });
+    std::printf("copy of x [4096, 4, %ld] float32: %.3f ms\n", long(d), copy_ms);
+    for (const Row& row : {Row{"pre-mix", pre_of}, Row{"sinkhorn", sink_of}, Row{"merge", merge_of}}) {
+      const double ref_ms = median_ms(row.make(false)), fused_ms = median_ms(row.make(true));
+      double ref_fwd, fused_fwd;
+      {
+        at::NoGradGuard no_grad;  // forward only
+        ref_fwd = median_ms(row.make(false));
+        fused_fwd = median_ms(row.make(true));
+      }
+      std::printf("mhc %-9s m 4 d %4ld tokens %ld: fwd+bwd reference %8.3f ms, fused %8.3f ms, speedup %5.1fx | "
+                  "fwd reference %8.3f ms, fused %8.3f ms (medians of 9)\n",
+                  row.name, long(d), long(s.B * s.T), ref_ms, fused_ms, ref_ms / fused_ms, ref_fwd, fused_fwd);
+    }
+  }
+}
+
+}  // namespace depthkit::test
