@@ -175,9 +175,9 @@ void validate(const Config& c, const std::string& where) {
   if (r.kind == "msar" && r.conv && int64_t(r.kernels.size()) != r.streams - 1)
     fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
          r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
-  if (r.impl == "fused" && r.kind != "attnres" && r.kind != "attnres_sepv" && r.kind != "residual")
+  if (r.impl == "fused" && r.kind != "attnres" && r.kind != "attnres_sepv" && r.kind != "msar" && r.kind != "residual")
     fail(where, ": key 'residual.impl' = \"fused\" is not available for residual.kind \"", r.kind,
-         "\" yet (fused operators exist for attnres and attnres_sepv)");
+         "\" yet (fused operators exist for attnres, attnres_sepv and msar)");
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.optim.min_lr > c.optim.lr)
