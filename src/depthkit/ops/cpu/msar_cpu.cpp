@@ -20,6 +20,8 @@
 // The ∂x scatter reaches K − 1 tokens back: tokens are cut into tiles of at least K − 1 per batch
 // row and the even tiles run in parallel, then the odd ones, so no two tasks write one token.
 // Query and tap gradients are sums over tokens: one partial sum per thread, added at the end.
+// Taps after a kernel's last nonzero tap (the zero padding of the shorter kernels) are skipped in
+// the expansion and in ∂x, which is exact; ∂c is computed for all K taps.
 //
 // Merge-fuse forward, per token: with the partial p (bank c'),
 //   v_r = expansion of p,  a_r = s_r (q_r·v_r),  λ_r = σ(ζ_r − a_r),
@@ -64,17 +66,30 @@ acc_t dot(const a_t* a, const b_t* b, int64_t d) {
   return s;
 }
 
+// (Σ v², Σ q v) in one pass.
+template <class acc_t>
+std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
+  acc_t ss = 0, qv = 0;
+#pragma omp simd reduction(+ : ss, qv)
+  for (int64_t i = 0; i < d; ++i) {
+    ss += v[i] * v[i];
+    qv += q[i] * v[i];
+  }
+  return {ss, qv};
+}
+
 // Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
-// δ·d before it; taps [K, d] (nullptr: stream 0, the identity).
+// δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
+// nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
 template <class acc_t, class scalar_t>
-void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t K, int64_t t, int64_t d) {
+void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
     return;
   }
   std::fill_n(v, d, acc_t(0));
-  const int64_t taps_used = std::min<int64_t>(K, t + 1);  // zero before position 0
+  const int64_t taps_used = std::min<int64_t>(used, t + 1);  // zero before position 0
   for (int64_t delta = 0; delta < taps_used; ++delta) {
     const scalar_t* x = x_t - delta * d;
     const acc_t* c = taps + delta * d;
@@ -83,17 +98,18 @@ void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t K, int64_t
   }
 }
 
-// The transpose of `expand`: ∂x_{t−δ} += c_δ ⊙ ∂v (into gx_t, row t of the acc-typed gradient)
-// and ∂c_δ += ∂v ⊙ x_{t−δ} (into gc [K, d], a per-thread partial sum).
+// The transpose of `expand`: ∂x_{t−δ} += c_δ ⊙ ∂v (into gx_t, row t of the acc-typed gradient;
+// nothing to add for zero taps δ ≥ used) and ∂c_δ += ∂v ⊙ x_{t−δ} for every δ < K (into gc [K, d],
+// a per-thread partial sum: zero taps have gradients too).
 template <class acc_t, class scalar_t>
-void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t K,
-                     int64_t t, int64_t d) {
+void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
+                     int64_t K, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) gx_t[i] += dv[i];
     return;
   }
-  const int64_t taps_used = std::min<int64_t>(K, t + 1);
+  const int64_t taps_used = std::min<int64_t>(used, t + 1), taps_all = std::min<int64_t>(K, t + 1);
   for (int64_t delta = 0; delta < taps_used; ++delta) {
     const scalar_t* x = x_t - delta * d;
     const acc_t* c = taps + delta * d;
@@ -104,6 +120,12 @@ void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_
       gx[i] += c[i] * dv[i];
       g[i] += dv[i] * acc_t(x[i]);
     }
+  }
+  for (int64_t delta = taps_used; delta < taps_all; ++delta) {
+    const scalar_t* x = x_t - delta * d;
+    acc_t* g = gc + delta * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) g[i] += dv[i] * acc_t(x[i]);
   }
 }
 
@@ -125,9 +147,22 @@ void for_each_tile(int64_t B, int64_t T, int64_t K, int64_t work_per_token, cons
   }
 }
 
-// Taps [L, d, K] → [L, K, d] in the accumulation type (small: parameters).
+// Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
 at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
   return conv.to(acc).transpose(-1, -2).contiguous();
+}
+
+// Per kernel of taps [..., K, d]: 1 + the last δ with a nonzero tap (kernels shorter than K are
+// zero-padded; their padding is skipped where that is exact: expansion and ∂x, not ∂c).
+std::vector<int64_t> taps_used(const at::Tensor& taps_kd) {
+  const int64_t K = taps_kd.size(-2);
+  const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
+  const bool* nz = nonzero.const_data_ptr<bool>();
+  std::vector<int64_t> used(nonzero.size(0), 0);
+  for (int64_t k = 0; k < nonzero.size(0); ++k)
+    for (int64_t delta = 0; delta < K; ++delta)
+      if (nz[k * K + delta]) used[k] = delta + 1;
+  return used;
 }
 
 void check_read(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c) {
@@ -178,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type);
+  const std::vector<int64_t> used = taps_used(c);
   const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
   const int64_t P = B * T;
   at::Tensor out = at::empty({m, B, T, d}, x.options());
@@ -200,9 +236,10 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
         for (int64_t n = 0; n < N; ++n) {
           const scalar_t* x_t = xp + ((n * B + b) * T + t) * d;
           for (int64_t r = 0; r < m; ++r) {
-            expand(v.data(), x_t, r == 0 ? nullptr : cp + (n * (m - 1) + r - 1) * K * d, K, t, d);  // eq. 10
-            const acc_t s = acc_t(1) / std::sqrt(dot<acc_t>(v.data(), v.data(), d) / acc_t(d) + acc_t(eps));
-            const acc_t a = s * dot<acc_t>(qp + r * d, v.data(), d);  // (A.1)
+            const int64_t bank = n * (m - 1) + r - 1;
+            expand(v.data(), x_t, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);  // eq. 10
+            const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
+            const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
             acc_t* u = acc.data() + r * d;
             if (a > mx[r]) {  // (A.2): rescale what is summed
               const acc_t scale = std::exp(mx[r] - a);
@@ -240,6 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
                    lse = lse_.to(acc_type).contiguous();
+  const std::vector<int64_t> used = taps_used(c);
   const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
   const int64_t P = B * T, L = m - 1;
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, x.options());
@@ -270,9 +308,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
           acc_t g_out = 0;  // g · out = Σ_n w_n (g · v_n)
           for (int64_t n = 0; n < N; ++n) {
             acc_t* v = V.data() + n * d;
-            expand(v, xp + ((n * B + b) * T + t) * d, r == 0 ? nullptr : cp + (n * L + r - 1) * K * d, K, t, d);
-            s[n] = acc_t(1) / std::sqrt(dot<acc_t>(v, v, d) / acc_t(d) + acc_t(eps));
-            qv[n] = dot<acc_t>(qr, v, d);
+            const int64_t bank = n * L + r - 1;
+            expand(v, xp + ((n * B + b) * T + t) * d, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);
+            const auto [ss, qvn] = square_and_dot(v, qr, d);
+            s[n] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+            qv[n] = qvn;
             w[n] = std::exp(s[n] * qv[n] - lp[r * P + p]);
             gdotv[n] = dot<acc_t>(g, v, d);
             g_out += w[n] * gdotv[n];
@@ -288,8 +328,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
               gqr[i] += ds * v[i];
             }
             const int64_t row = (n * B + b) * T + t;
-            expand_backward(dv.data(), gxp + row * d, gc + (n * L + std::max<int64_t>(r - 1, 0)) * K * d,
-                            xp + row * d, r == 0 ? nullptr : cp + (n * L + r - 1) * K * d, K, t, d);
+            const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
+            expand_backward(dv.data(), gxp + row * d, gc + bank * K * d, xp + row * d,
+                            r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], K, t, d);
           }
         }
       }
@@ -310,6 +351,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
   const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
   const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
+  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
   const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
   const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
   const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
@@ -336,7 +378,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
             for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
             continue;
           }
-          expand(v.data(), xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, K, t, d);
+          expand(v.data(), xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
           const acc_t s = acc_t(1) / std::sqrt(dot<acc_t>(v.data(), v.data(), d) / acc_t(d) + acc_t(eps));
           const acc_t a = s * dot<acc_t>(qp + r * d, v.data(), d);                  // (A.8)
           const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
@@ -380,6 +422,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
   const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
   const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
+  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
   const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
   const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
   const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
@@ -423,7 +466,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             continue;
           }
           acc_t* v = V.data() + r * d;
-          expand(v, xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, K, t, d);
+          expand(v, xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
           s[r] = acc_t(1) / std::sqrt(dot<acc_t>(v, v, d) / acc_t(d) + acc_t(eps));
           qv[r] = dot<acc_t>(qp + r * d, v, d);
           lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
@@ -491,7 +534,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             gqr[i] += ds * v[i];
           }
           expand_backward(dv.data(), gxp + p * d, gc + std::max<int64_t>(r - 1, 0) * K * d, xp + p * d,
-                          r == 0 ? nullptr : cp + (r - 1) * K * d, K, t, d);
+                          r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], K, t, d);
         }
       }
     });
