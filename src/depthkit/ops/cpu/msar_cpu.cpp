@@ -52,6 +52,14 @@ namespace depthkit::cpu {
 
 namespace {
 
+// The hot loops below are compiled twice, for x86-64-v3 (AVX2 + FMA) and for the baseline, and
+// the loader picks one for the CPU it runs on (GCC function multi-versioning).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DK_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DK_SIMD_CLONES
+#endif
+
 at::ScalarType acc_type_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 // A grain that gives each task a few thousand multiply-adds.
@@ -59,7 +67,7 @@ int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std:
 
 // The compiler may reorder these sums into SIMD lanes (-fopenmp-simd; no OpenMP runtime involved).
 template <class acc_t, class a_t, class b_t>
-acc_t dot(const a_t* a, const b_t* b, int64_t d) {
+DK_SIMD_CLONES acc_t dot(const a_t* a, const b_t* b, int64_t d) {
   acc_t s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
@@ -68,7 +76,7 @@ acc_t dot(const a_t* a, const b_t* b, int64_t d) {
 
 // (Σ v², Σ q v) in one pass.
 template <class acc_t>
-std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
+DK_SIMD_CLONES std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
   acc_t ss = 0, qv = 0;
 #pragma omp simd reduction(+ : ss, qv)
   for (int64_t i = 0; i < d; ++i) {
@@ -78,11 +86,18 @@ std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d
   return {ss, qv};
 }
 
+// y += a·x.
+template <class acc_t, class x_t>
+DK_SIMD_CLONES void axpy(acc_t* y, acc_t a, const x_t* x, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * acc_t(x[i]);
+}
+
 // Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
 // δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
 // nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
 template <class acc_t, class scalar_t>
-void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
+DK_SIMD_CLONES void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
@@ -102,7 +117,7 @@ void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int6
 // nothing to add for zero taps δ ≥ used) and ∂c_δ += ∂v ⊙ x_{t−δ} for every δ < K (into gc [K, d],
 // a per-thread partial sum: zero taps have gradients too).
 template <class acc_t, class scalar_t>
-void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
+DK_SIMD_CLONES void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
                      int64_t K, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
@@ -249,9 +264,8 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
               mx[r] = a;
             }
             const acc_t w = std::exp(a - mx[r]);
-            Z[r] += w;  // (A.3)
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) u[i] += w * v[i];  // (A.4)
+            Z[r] += w;                      // (A.3)
+            axpy(u, w, v.data(), d);        // (A.4)
           }
         }
         for (int64_t r = 0; r < m; ++r) {
@@ -322,11 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
             const acc_t da = w[n] * (gdotv[n] - g_out) + glp[r * P + p] * w[n];
             const acc_t ds = da * s[n], c_v = da * s[n] * s[n] * s[n] * qv[n] / acc_t(d), wn = w[n];
             acc_t* gqr = gq + r * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) {
-              dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
-              gqr[i] += ds * v[i];
-            }
+            for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
+            axpy(gqr, ds, v, d);
             const int64_t row = (n * B + b) * T + t;
             const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
             expand_backward(dv.data(), gxp + row * d, gc + bank * K * d, xp + row * d,
@@ -395,12 +406,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
           std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
         }
         std::fill(hacc.begin(), hacc.end(), acc_t(0));
-        for (int64_t r = 0; r < m; ++r) {  // eq. 14
-          const acc_t* z_r = z.data() + r * d;
-          const acc_t pr = pre[r];
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) hacc[i] += pr * z_r[i];
-        }
+        for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[r], z.data() + r * d, d);  // eq. 14
         scalar_t* h_p = hp + p * d;
         for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
       }
@@ -496,13 +502,8 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           }
           for (int64_t j = 0; j < m; ++j) {
             const acc_t uj = u[j] * al * S;
-            const acc_t* Wj = Wp + j * md;
-            acc_t* gWj = gW + j * md;
-#pragma omp simd
-            for (int64_t k = 0; k < md; ++k) {
-              dz[k] += uj * Wj[k];
-              gWj[k] += uj * z[k];
-            }
+            axpy(dz.data(), uj, Wp + j * md, md);
+            axpy(gW + j * md, uj, z.data(), md);
           }
         } else {
           for (int64_t r = 0; r < m; ++r)
