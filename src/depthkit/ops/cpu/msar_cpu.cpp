@@ -521,8 +521,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           const scalar_t* o_r = op + (r * P + p) * d;
           const acc_t* v = V.data() + r * d;
           const acc_t l = lam[r];
-          acc_t dlambda = 0;  // ∂z/∂λ · ∂z = ∂z · (out − v)
-          for (int64_t i = 0; i < d; ++i) dlambda += dz_r[i] * (acc_t(o_r[i]) - v[i]);
+          const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);  // ∂z · ∂z/∂λ = ∂z · (out − v)
           const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
           glp[r * P + p] = dzeta;
           const acc_t da = -dzeta, ds = da * s[r], c_v = da * s[r] * s[r] * s[r] * qv[r] / acc_t(d);
