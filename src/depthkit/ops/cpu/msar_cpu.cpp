@@ -390,8 +390,8 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
             continue;
           }
           expand(v.data(), xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
-          const acc_t s = acc_t(1) / std::sqrt(dot<acc_t>(v.data(), v.data(), d) / acc_t(d) + acc_t(eps));
-          const acc_t a = s * dot<acc_t>(qp + r * d, v.data(), d);                  // (A.8)
+          const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
+          const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));                // (A.8)
           const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) z_r[i] = lambda * acc_t(o_r[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
@@ -473,8 +473,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           }
           acc_t* v = V.data() + r * d;
           expand(v, xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
-          s[r] = acc_t(1) / std::sqrt(dot<acc_t>(v, v, d) / acc_t(d) + acc_t(eps));
-          qv[r] = dot<acc_t>(qp + r * d, v, d);
+          const auto [ss, qvr] = square_and_dot(v, qp + r * d, d);
+          s[r] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+          qv[r] = qvr;
           lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
           const acc_t l = lam[r];
 #pragma omp simd
