@@ -583,15 +583,19 @@ TEST(Msar, EqualsTheEquations) {
                         Case{3, 2, 1, 3, {2, 6}, true, "hpre"},  // T = 1, and T < the largest kernel below
                         Case{2, 3, 4, 3, {3, 7}, true, "hpre"}, Case{3, 4, 4, 4, {2, 3, 4}, false, "hpre"},
                         Case{3, 4, 4, 4, {2, 3, 4}, true, "mean"}, Case{2, 8, 3, 1, {}, true, "hpre"}}) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " m ", c.m, " conv ", c.conv, " ", c.fusion));
-    ResidualConfig r = residual("msar", c.S);
-    r.streams = c.m;
-    r.kernels = c.kernels;
-    r.conv = c.conv;
-    r.fusion = c.fusion;
-    check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
-      return msar_ref(e, leaf, r, 2 * c.n_layers);
-    });
+    for (const char* impl : {"reference", "fused"}) {
+      SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " m ", c.m, " conv ", c.conv, " ", c.fusion,
+                       " ", impl));
+      ResidualConfig r = residual("msar", c.S);
+      r.streams = c.m;
+      r.kernels = c.kernels;
+      r.conv = c.conv;
+      r.fusion = c.fusion;
+      r.impl = impl;
+      check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+        return msar_ref(e, leaf, r, 2 * c.n_layers);
+      });
+    }
   }
 }
 
@@ -705,12 +709,13 @@ std::vector<std::vector<std::string>> model_kinds() {
   return {{"residual.kind=residual"},
           {"residual.kind=attnres", "residual.block_sublayers=1"},
           {"residual.kind=attnres", "residual.block_sublayers=3"},
-          {"residual.kind=attnres", "residual.block_sublayers=3", "residual.impl=fused"},
+          {"residual.kind=attnres", "residual.block_sublayers=3", "residual.impl=reference"},
           {"residual.kind=dar", "residual.block_sublayers=2"},
           {"residual.kind=dar", "residual.block_sublayers=3"},
-          {"residual.kind=dar", "residual.block_sublayers=3", "residual.impl=fused"},
+          {"residual.kind=dar", "residual.block_sublayers=3", "residual.impl=reference"},
           {"residual.kind=msar", "residual.block_sublayers=1"},
           {"residual.kind=msar", "residual.block_sublayers=4"},
+          {"residual.kind=msar", "residual.block_sublayers=2", "residual.impl=reference"},
           {"residual.kind=mhc", "residual.streams=4"},
           {"residual.kind=attnres_sepv", "residual.block_sublayers=2"},
           {"residual.kind=attnres_mhc", "residual.block_sublayers=2"}};
@@ -823,8 +828,8 @@ TEST(Config, InvalidPathwayCombinationsNameTheKey) {
                {"'residual.sinkhorn_iters'"});
   expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
                {"'residual.fusion'", "\"hpre\", \"mean\""});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.impl=fused"}); },
-               {"'residual.impl'", "not available for residual.kind \"msar\""});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.impl=\"eager\""}); },
+               {"'residual.impl'", "\"reference\", \"fused\""});
   Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
   EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
   EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);

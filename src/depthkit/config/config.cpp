@@ -175,8 +175,6 @@ void validate(const Config& c, const std::string& where) {
   if (r.kind == "msar" && r.conv && int64_t(r.kernels.size()) != r.streams - 1)
     fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
          r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
-  if (r.impl == "fused" && r.kind == "msar")
-    fail(where, ": key 'residual.impl' = \"fused\" is not available for residual.kind \"", r.kind, "\" yet");
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.optim.min_lr > c.optim.lr)

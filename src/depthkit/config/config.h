@@ -35,7 +35,7 @@ struct ResidualConfig {
   bool conv = true;               // MSAR: false replicates each source into m identical streams
   std::string fusion = "hpre";    // MSAR stream fusion: hpre (eq. 13–14) | mean
   int64_t sinkhorn_iters = 20;    // mHC: Sinkhorn–Knopp iterations (row then column normalisation)
-  std::string impl = "reference";  // reference (ATen composition) | fused (depthkit torch operators)
+  std::string impl = "fused";  // fused (depthkit torch operators) | reference (ATen composition)
 };
 
 struct DataConfig {

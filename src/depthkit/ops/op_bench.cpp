@@ -14,6 +14,8 @@
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/mhc_ops.h"
+#include "depthkit/pathways/mhc.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
@@ -93,6 +95,23 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
       };
     };
     out.push_back({"dar_write", t, loss(fused::dar_write), loss(reference::dar_write)});
+  }
+  {  // mHC (m = 4 streams): the pre-mix, Sinkhorn–Knopp (20 rounds) and the post + res merge.
+    const int64_t m = 4, n = m * m + 2 * m;
+    std::vector<at::Tensor> t = {leaf({P, m, d}), leaf({n, m * d}, 0.02), leaf({n}), leaf({3}, 0.5)};
+    at::Tensor wh = weight({P, d}), wp = weight({P, m}), wr = weight({P, m, m});
+    auto pre_loss = [=](const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) {
+      return (std::get<0>(r) * wh).sum() + (std::get<1>(r) * wp).sum() + (std::get<2>(r) * wr).sum();
+    };
+    out.push_back({"mhc_pre", t, [=] { return pre_loss(fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps)); },
+                   [=] { return pre_loss(mhc_pre_reference(t[0], t[1], t[2], t[3])); }});
+    at::Tensor logits = leaf({P, m, m});
+    out.push_back({"mhc_sinkhorn", {logits}, [=] { return (fused::mhc_sinkhorn(logits, 20) * wr).sum(); },
+                   [=] { return (mhc_sinkhorn_reference(logits, 20) * wr).sum(); }});
+    std::vector<at::Tensor> u = {leaf({P, m, d}), leaf({P, d}), leaf({P, m}), leaf({P, m, m})};
+    at::Tensor wx = weight({P, m, d});
+    out.push_back({"mhc_merge", u, [=] { return (fused::mhc_merge(u[0], u[1], u[2], u[3]) * wx).sum(); },
+                   [=] { return (mhc_merge_reference(u[0], u[1], u[2], u[3]) * wx).sum(); }});
   }
   return out;
 }

@@ -4,17 +4,23 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/conv1d.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/stack.h>
 
+#include <algorithm>
+
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/msar_ops.h"
 
 namespace depthkit {
 
 namespace {
 struct Sources final : PathwayState {
-  std::vector<at::Tensor> expanded;  // completed sources, already expanded: [m, B, T, d] each
+  std::vector<at::Tensor> expanded;  // reference: completed sources, already expanded: [m, B, T, d] each
+  std::vector<at::Tensor> raw;       // fused: completed sources, single-stream [B, T, d] each
+  std::vector<at::Tensor> taps;      // fused: their banks, [m − 1, d, K] each
   at::Tensor partial;                // the current block's sum; undefined at block start
   at::Tensor last_input;             // h_ℓ of the last read (for the final residual merge)
   at::Tensor last_output;            // f_ℓ(h_ℓ) of the last write
@@ -24,7 +30,8 @@ Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : block_(residual.block_sublayers), branches_(model.n_branches()), m_(residual.streams), conv_(residual.conv),
-      mean_fusion_(residual.fusion == "mean"), kernels_(residual.kernels), branch_(branches_ + 1), bank_(branches_) {
+      mean_fusion_(residual.fusion == "mean"), fused_(residual.impl == "fused"), d_(model.d_model),
+      kernels_(residual.kernels), branch_(branches_ + 1), bank_(branches_) {
   const int64_t d = model.d_model;
   for (int64_t l = 1; l <= branches_; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
@@ -63,9 +70,28 @@ at::Tensor Msar::expand(const at::Tensor& x, int64_t bank) const {
   return at::stack(out);
 }
 
+at::Tensor Msar::taps(int64_t bank) const {
+  if (!conv_ || m_ == 1) return at::ones({m_ - 1, d_, 1}, branch_[1].queries.options());  // identity taps
+  int64_t K = 0;
+  for (int64_t k : kernels_) K = std::max(K, k);
+  std::vector<at::Tensor> padded;
+  for (const at::Tensor& c : bank_[bank]) padded.push_back(at::constant_pad_nd(c, {0, K - c.size(1)}));
+  return at::stack(padded);
+}
+
+void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
+  Sources& s = sources(state);
+  if (fused_) {
+    s.raw.push_back(source);
+    s.taps.push_back(taps(bank));
+  } else {
+    s.expanded.push_back(expand(source, bank));
+  }
+}
+
 std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<Sources>();
-  s->expanded.push_back(expand(embedding, 0));  // bank 0: the embedding
+  append(*s, embedding, 0);  // bank 0: the embedding
   return s;
 }
 
@@ -73,6 +99,21 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
   const bool first_in_block = (l - 1) % block_ == 0;
+  if (fused_) {
+    auto [out, lse] = fused::msar_read(b.queries, at::stack(s.raw), at::stack(s.taps), kKeyNormEps);
+    std::optional<at::Tensor> part, part_taps, w, bias, alpha;
+    if (!first_in_block) {
+      part = s.partial;
+      part_taps = taps(l - 1);  // bank ℓ−1
+    }
+    if (!mean_fusion_) {
+      w = b.w_pre;
+      bias = b.b_pre;
+      alpha = b.alpha_pre;
+    }
+    s.last_input = fused::msar_fuse(out, lse, b.queries, part, part_taps, w, bias, alpha, kKeyNormEps);
+    return s.last_input;
+  }
   at::Tensor completed = at::stack(s.expanded, 1);  // [m, N, B, T, d]
   at::Tensor part = first_in_block ? at::Tensor() : expand(s.partial, l - 1);  // bank ℓ−1
   std::vector<at::Tensor> z;
@@ -97,7 +138,7 @@ void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   s.last_output = out;
   s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;  // eq. 16
   if (l % block_ == 0 || l == branches_) {                     // eq. 15: block complete
-    if (l < branches_) s.expanded.push_back(expand(s.partial, l));  // bank of its last branch
+    if (l < branches_) append(s, s.partial, l);  // bank of its last branch
     s.partial = at::Tensor();
   }
 }

@@ -17,6 +17,9 @@
 //
 // Ablations: conv = false (streams are replicas of the source, queries stay independent: no
 // bank parameters); fusion = "mean" (h = mean_r z⁽ʳ⁾: no W_pre, b_pre, α_pre).
+// impl = "fused": the read runs as two fused operators (ops/msar_ops.h): msar_read over the raw
+// completed sources (expanded on the fly, never stored: the state keeps single-stream sources
+// only) and msar_fuse (partial merge + H_pre or mean fusion); impl = "reference" composes ATen ops.
 // Initialisation: queries 0, convolutions 0 (streams r ≥ 1 start empty), W_pre normal(0, init_std),
 // b_pre 0, α_pre 0.01.
 #pragma once
@@ -39,14 +42,21 @@ class Msar final : public ResidualPathway {
 
   // The m streams of a source x [B, T, d] under bank `bank`: [m, B, T, d].
   at::Tensor expand(const at::Tensor& x, int64_t bank) const;
+  // Bank `bank` as the fused operators take it: [m − 1, d, K], taps zero-padded to the largest
+  // kernel K; identity taps (ones, K = 1, constant) for conv = false.
+  at::Tensor taps(int64_t bank) const;
 
  private:
+  // Adds a completed source to the state: expanded (reference) or raw with its taps (fused).
+  void append(PathwayState& state, const at::Tensor& source, int64_t bank) const;
+
   struct Branch {
     at::Tensor queries;                   // [m, d]
     at::Tensor w_pre, b_pre, alpha_pre;   // [m, md], [m], [1] (fusion = "hpre")
   };
   int64_t block_, branches_, m_;
-  bool conv_, mean_fusion_;
+  bool conv_, mean_fusion_, fused_;
+  int64_t d_;
   std::vector<int64_t> kernels_;
   std::vector<Branch> branch_;                  // index ℓ
   std::vector<std::vector<at::Tensor>> bank_;   // bank_[k][r − 1]: [d, κ_r], k = 0 … L_b − 1

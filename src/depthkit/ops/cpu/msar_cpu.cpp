@@ -1,0 +1,559 @@
+// CPU kernels of the fused MSAR read (MSAR eq. 9–12, 17 phase 1; DAR eq. A.1–A.5) and of the
+// fused partial merge + stream fusion (DAR eq. A.6–A.10; MSAR eq. 13–14), with hand-written
+// backward passes. The expanded streams are never written to memory (MSAR §3.4, Table 6).
+//
+// Layout: queries q [m, d]; raw sources x [N, B, T, d]; taps c [N, m−1, d, K] (zero-padded to the
+// largest kernel K; used here as [N, m−1, K, d] so the loops over d are contiguous); out [m, B, T, d];
+// ζ [m, B, T]. Accumulation in float32 (float64 for float64 inputs); bfloat16 storage accepted;
+// expansions, normalised keys and weights live in thread-local buffers in the accumulation type.
+//
+// Read forward, per token (b, t) and source n, stream r (eq. 10):
+//   v⁽⁰⁾ = x_{n,t},   v⁽ʳ⁾ = Σ_{δ<K, δ≤t} c_{n,r,δ} ⊙ x_{n,t−δ}      (zero before t = 0, per batch row)
+//   s = 1/√(mean_d v² + ε),  a = s (q_r · v)                          (A.1)
+// and stream r's online softmax over n: running max, shifted sum Z, numerator U (A.2–A.4);
+//   out_r = U / Z,  ζ_r = max + log Z                                  (A.5)
+//
+// Read backward recomputes v, s, a and w = exp(a − ζ_r) per (r, n), then
+//   g·out = Σ_n w_n (g·v_n),  ∂a_n = w_n (g·v_n − g·out) + ḡ_ζ w_n,
+//   ∂v_n = w_n g + ∂a_n (s q_r − s³ (q_r·v_n) v_n / d),  ∂q_r += ∂a_n s v_n,
+//   ∂x_{n,t−δ} += c_{n,r,δ} ⊙ ∂v_n,  ∂c_{n,r,δ} += ∂v_n ⊙ x_{n,t−δ}    (identity for r = 0).
+// The ∂x scatter reaches K − 1 tokens back: tokens are cut into tiles of at least K − 1 per batch
+// row and the even tiles run in parallel, then the odd ones, so no two tasks write one token.
+// Query and tap gradients are sums over tokens: one partial sum per thread, added at the end.
+// Taps after a kernel's last nonzero tap (the zero padding of the shorter kernels) are skipped in
+// the expansion and in ∂x, which is exact; ∂c is computed for all K taps.
+//
+// Merge-fuse forward, per token: with the partial p (bank c'),
+//   v_r = expansion of p,  a_r = s_r (q_r·v_r),  λ_r = σ(ζ_r − a_r),
+//   z_r = λ_r out_r + (1 − λ_r) v_r                                    (A.8–A.10)
+// or z_r = out_r at a block's first branch; then
+//   S = 1/√(mean over m·d of z² + ε),  y_j = W_j · z,  π_j = σ(α S y_j + b_j),  h = Σ_r π_r z_r
+// (eq. 13–14), or h = mean_r z_r. Backward, with u_j = (g·z_j) π_j (1 − π_j):
+//   ∂b_j += u_j,  ∂α += Σ_j u_j S y_j,  ∂W_j += u_j α S z,
+//   ∂z = π ⊙ g + α S Σ_j u_j W_j − α S³ (Σ_j u_j y_j) z / (m d);
+//   ∂out_r = λ_r ∂z_r,  ∂ζ_r = (∂z_r·(out_r − v_r)) λ_r (1 − λ_r),  ∂a_r = −∂ζ_r,
+//   ∂v_r = (1 − λ_r) ∂z_r + ∂a_r (s q_r − s³ (q_r·v_r) v_r / d), then as in the read.
+#include "depthkit/ops/cpu/msar_cpu.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit::cpu {
+
+namespace {
+
+// The hot loops below are compiled twice, for x86-64-v3 (AVX2 + FMA) and for the baseline, and
+// the loader picks one for the CPU it runs on (GCC function multi-versioning).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DK_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DK_SIMD_CLONES
+#endif
+
+at::ScalarType acc_type_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// A grain that gives each task a few thousand multiply-adds.
+int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
+
+// The compiler may reorder these sums into SIMD lanes (-fopenmp-simd; no OpenMP runtime involved).
+template <class acc_t, class a_t, class b_t>
+DK_SIMD_CLONES acc_t dot(const a_t* a, const b_t* b, int64_t d) {
+  acc_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
+  return s;
+}
+
+// (Σ v², Σ q v) in one pass.
+template <class acc_t>
+DK_SIMD_CLONES std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
+  acc_t ss = 0, qv = 0;
+#pragma omp simd reduction(+ : ss, qv)
+  for (int64_t i = 0; i < d; ++i) {
+    ss += v[i] * v[i];
+    qv += q[i] * v[i];
+  }
+  return {ss, qv};
+}
+
+// y += a·x.
+template <class acc_t, class x_t>
+DK_SIMD_CLONES void axpy(acc_t* y, acc_t a, const x_t* x, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += a * acc_t(x[i]);
+}
+
+// Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
+// δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
+// nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
+template <class acc_t, class scalar_t>
+DK_SIMD_CLONES void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
+    return;
+  }
+  std::fill_n(v, d, acc_t(0));
+  const int64_t taps_used = std::min<int64_t>(used, t + 1);  // zero before position 0
+  for (int64_t delta = 0; delta < taps_used; ++delta) {
+    const scalar_t* x = x_t - delta * d;
+    const acc_t* c = taps + delta * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) v[i] += c[i] * acc_t(x[i]);
+  }
+}
+
+// The transpose of `expand`: ∂x_{t−δ} += c_δ ⊙ ∂v (into gx_t, row t of the acc-typed gradient;
+// nothing to add for zero taps δ ≥ used) and ∂c_δ += ∂v ⊙ x_{t−δ} for every δ < K (into gc [K, d],
+// a per-thread partial sum: zero taps have gradients too).
+template <class acc_t, class scalar_t>
+DK_SIMD_CLONES void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
+                     int64_t K, int64_t t, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) gx_t[i] += dv[i];
+    return;
+  }
+  const int64_t taps_used = std::min<int64_t>(used, t + 1), taps_all = std::min<int64_t>(K, t + 1);
+  for (int64_t delta = 0; delta < taps_used; ++delta) {
+    const scalar_t* x = x_t - delta * d;
+    const acc_t* c = taps + delta * d;
+    acc_t* gx = gx_t - delta * d;
+    acc_t* g = gc + delta * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      gx[i] += c[i] * dv[i];
+      g[i] += dv[i] * acc_t(x[i]);
+    }
+  }
+  for (int64_t delta = taps_used; delta < taps_all; ++delta) {
+    const scalar_t* x = x_t - delta * d;
+    acc_t* g = gc + delta * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) g[i] += dv[i] * acc_t(x[i]);
+  }
+}
+
+// Runs fn(b, t0, t1) over tiles of tokens of every batch row such that no two concurrent tiles
+// touch the same token when each also writes the K − 1 tokens before it: tiles of at least K − 1
+// tokens, even tiles first, then odd ones.
+template <class Fn>
+void for_each_tile(int64_t B, int64_t T, int64_t K, int64_t work_per_token, const Fn& fn) {
+  const int64_t tile = std::max<int64_t>({K - 1, 1, std::min<int64_t>(64, grain(work_per_token))});
+  const int64_t tiles = (T + tile - 1) / tile;
+  for (int64_t parity = 0; parity < 2; ++parity) {
+    at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b = c / tiles, j = c % tiles;
+        if (j % 2 != parity) continue;
+        fn(b, j * tile, std::min(T, (j + 1) * tile));
+      }
+    });
+  }
+}
+
+// Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
+at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
+  return conv.to(acc).transpose(-1, -2).contiguous();
+}
+
+// Per kernel of taps [..., K, d]: 1 + the last δ with a nonzero tap (kernels shorter than K are
+// zero-padded; their padding is skipped where that is exact: expansion and ∂x, not ∂c).
+std::vector<int64_t> taps_used(const at::Tensor& taps_kd) {
+  const int64_t K = taps_kd.size(-2);
+  const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
+  const bool* nz = nonzero.const_data_ptr<bool>();
+  std::vector<int64_t> used(nonzero.size(0), 0);
+  for (int64_t k = 0; k < nonzero.size(0); ++k)
+    for (int64_t delta = 0; delta < K; ++delta)
+      if (nz[k * K + delta]) used[k] = delta + 1;
+  return used;
+}
+
+void check_read(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c) {
+  if (q.dim() != 2 || x.dim() != 4 || c.dim() != 4)
+    fail("msar_read: expected queries [m, d], sources [N, B, T, d], conv [N, m - 1, d, K]");
+  const int64_t m = q.size(0), d = q.size(1);
+  if (x.size(3) != d) fail("msar_read: queries have d = ", d, ", sources d = ", x.size(3));
+  if (x.size(0) < 1) fail("msar_read: needs at least one source");
+  if (m < 1) fail("msar_read: needs at least one stream");
+  if (c.size(0) != x.size(0) || c.size(1) != m - 1 || c.size(2) != d || c.size(3) < 1)
+    fail("msar_read: conv ", c.sizes(), " does not match [N, m - 1, d, K] = [", x.size(0), ", ", m - 1, ", ", d,
+         ", K >= 1]");
+  if (q.scalar_type() != x.scalar_type() || c.scalar_type() != x.scalar_type())
+    fail("msar_read: queries, sources and conv must share a dtype");
+}
+
+struct FuseArgs {
+  int64_t m, B, T, d, K;
+  bool partial, hpre;
+};
+
+FuseArgs check_fuse(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& part,
+                    const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
+  if (out.dim() != 4 || lse.dim() != 3 || q.dim() != 2)
+    fail("msar_fuse: expected out [m, B, T, d], log_partition [m, B, T], queries [m, d]");
+  FuseArgs a{out.size(0), out.size(1), out.size(2), out.size(3), 1, part.defined(), w.defined()};
+  if (lse.sizes() != out.sizes().slice(0, 3)) fail("msar_fuse: log_partition ", lse.sizes(), " vs out ", out.sizes());
+  if (q.size(0) != a.m || q.size(1) != a.d) fail("msar_fuse: queries ", q.sizes(), " vs out ", out.sizes());
+  if (part.defined() != pconv.defined()) fail("msar_fuse: partial and partial_conv come together");
+  if (a.partial) {
+    if (part.dim() != 3 || part.size(0) != a.B || part.size(1) != a.T || part.size(2) != a.d)
+      fail("msar_fuse: partial ", part.sizes(), " vs [B, T, d] of out ", out.sizes());
+    if (pconv.dim() != 3 || pconv.size(0) != a.m - 1 || pconv.size(1) != a.d || pconv.size(2) < 1)
+      fail("msar_fuse: partial_conv ", pconv.sizes(), " does not match [m - 1, d, K] = [", a.m - 1, ", ", a.d, ", K]");
+    a.K = pconv.size(2);
+  }
+  if (w.defined() != b.defined() || w.defined() != alpha.defined())
+    fail("msar_fuse: w_pre, b_pre and alpha_pre come together (none of them: mean fusion)");
+  if (a.hpre && (w.dim() != 2 || w.size(0) != a.m || w.size(1) != a.m * a.d || b.numel() != a.m || alpha.numel() != 1))
+    fail("msar_fuse: expected w_pre [m, m d], b_pre [m], alpha_pre [1] for m = ", a.m, ", d = ", a.d);
+  return a;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
+                                                     const at::Tensor& conv, double eps) {
+  check_read(queries, sources, conv);
+  const auto acc_type = acc_type_of(sources);
+  const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type);
+  const std::vector<int64_t> used = taps_used(c);
+  const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
+  const int64_t P = B * T;
+  at::Tensor out = at::empty({m, B, T, d}, x.options());
+  at::Tensor lse = at::empty({m, B, T}, x.options().dtype(acc_type));
+  // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
+  auto kernel = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    acc_t* lp = lse.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, P, grain(N * m * d * (K + 3)), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> v(d), acc(m * d), mx(m), Z(m);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = p / T, t = p % T;
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
+        std::fill(Z.begin(), Z.end(), acc_t(0));
+        for (int64_t n = 0; n < N; ++n) {
+          const scalar_t* x_t = xp + ((n * B + b) * T + t) * d;
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t bank = n * (m - 1) + r - 1;
+            expand(v.data(), x_t, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);  // eq. 10
+            const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
+            const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
+            acc_t* u = acc.data() + r * d;
+            if (a > mx[r]) {  // (A.2): rescale what is summed
+              const acc_t scale = std::exp(mx[r] - a);
+              Z[r] *= scale;
+#pragma omp simd
+              for (int64_t i = 0; i < d; ++i) u[i] *= scale;
+              mx[r] = a;
+            }
+            const acc_t w = std::exp(a - mx[r]);
+            Z[r] += w;                      // (A.3)
+            axpy(u, w, v.data(), d);        // (A.4)
+          }
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          scalar_t* o = op + (r * P + p) * d;
+          const acc_t* u = acc.data() + r * d;
+          const acc_t inv = acc_t(1) / Z[r];
+          for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(u[i] * inv);  // (A.5)
+          lp[r * P + p] = mx[r] + std::log(Z[r]);
+        }
+      }
+    });
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "msar_read_forward", [&] { kernel(scalar_t(0)); });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tensor& grad_out_,
+                                                                  const at::Tensor& grad_lse_,
+                                                                  const at::Tensor& queries,
+                                                                  const at::Tensor& sources, const at::Tensor& conv,
+                                                                  const at::Tensor& lse_, double eps) {
+  check_read(queries, sources, conv);
+  const auto acc_type = acc_type_of(sources);
+  const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
+                   lse = lse_.to(acc_type).contiguous();
+  const std::vector<int64_t> used = taps_used(c);
+  const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
+  const int64_t P = B * T, L = m - 1;
+  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, x.options());
+  const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({m, B, T}, lse.options());
+  at::Tensor gx = at::zeros({N, B, T, d}, x.options().dtype(acc_type));
+  const int threads = at::get_num_threads();
+  at::Tensor gq_parts = at::zeros({threads, m, d}, x.options().dtype(acc_type));
+  at::Tensor gc_parts = at::zeros({threads, N, L, K, d}, x.options().dtype(acc_type));
+  // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
+  auto kernel = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *gop = go.const_data_ptr<scalar_t>();
+    const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>(), *lp = lse.const_data_ptr<acc_t>(),
+                *glp = gl.const_data_ptr<acc_t>();
+    acc_t *gxp = gx.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
+          *gc_all = gc_parts.mutable_data_ptr<acc_t>();
+    for_each_tile(B, T, K, N * m * d * (3 * K + 6), [&](int64_t b, int64_t t0, int64_t t1) {
+      const int64_t thread = at::get_thread_num();
+      acc_t* gq = gq_all + thread * m * d;
+      acc_t* gc = gc_all + thread * N * L * K * d;
+      std::vector<acc_t> V(N * d), s(N), qv(N), w(N), gdotv(N), dv(d);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = b * T + t;
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t* qr = qp + r * d;
+          const scalar_t* g = gop + (r * P + p) * d;
+          acc_t g_out = 0;  // g · out = Σ_n w_n (g · v_n)
+          for (int64_t n = 0; n < N; ++n) {
+            acc_t* v = V.data() + n * d;
+            const int64_t bank = n * L + r - 1;
+            expand(v, xp + ((n * B + b) * T + t) * d, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);
+            const auto [ss, qvn] = square_and_dot(v, qr, d);
+            s[n] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+            qv[n] = qvn;
+            w[n] = std::exp(s[n] * qv[n] - lp[r * P + p]);
+            gdotv[n] = dot<acc_t>(g, v, d);
+            g_out += w[n] * gdotv[n];
+          }
+          for (int64_t n = 0; n < N; ++n) {
+            const acc_t* v = V.data() + n * d;
+            const acc_t da = w[n] * (gdotv[n] - g_out) + glp[r * P + p] * w[n];
+            const acc_t ds = da * s[n], c_v = da * s[n] * s[n] * s[n] * qv[n] / acc_t(d), wn = w[n];
+            acc_t* gqr = gq + r * d;
+            for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
+            axpy(gqr, ds, v, d);
+            const int64_t row = (n * B + b) * T + t;
+            const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
+            expand_backward(dv.data(), gxp + row * d, gc + bank * K * d, xp + row * d,
+                            r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], K, t, d);
+          }
+        }
+      }
+    });
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
+  at::Tensor gq = gq_parts.sum(0).to(queries.scalar_type());
+  at::Tensor gc = gc_parts.sum(0).transpose(-1, -2).to(conv.scalar_type());  // [N, m−1, d, K]
+  return {gq, gx.to(sources.scalar_type()), gc};
+}
+
+at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
+                             const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                             const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const auto acc_type = acc_type_of(out_);
+  const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
+  const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
+  const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
+  const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
+  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
+  const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
+  const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
+  const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
+  at::Tensor h = at::empty({B, T, d}, o.options());
+  // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
+  auto kernel = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* op = o.const_data_ptr<scalar_t>();
+    const scalar_t* xp = A.partial ? x.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t *lp = lse.const_data_ptr<acc_t>(), *qp = q.const_data_ptr<acc_t>();
+    const acc_t* cp = A.partial ? c.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* Wp = A.hpre ? W.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* bp = A.hpre ? bias.const_data_ptr<acc_t>() : nullptr;
+    scalar_t* hp = h.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, P, grain(m * d * (K + 6) + m * m * d), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> v(d), z(m * d), pre(m), hacc(d);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t t = p % T;
+        for (int64_t r = 0; r < m; ++r) {
+          const scalar_t* o_r = op + (r * P + p) * d;
+          acc_t* z_r = z.data() + r * d;
+          if (!A.partial) {
+            for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
+            continue;
+          }
+          expand(v.data(), xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
+          const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
+          const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));                // (A.8)
+          const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) z_r[i] = lambda * acc_t(o_r[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
+        }
+        if (A.hpre) {  // eq. 13
+          const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), m * d) / acc_t(m * d) + acc_t(eps));
+          for (int64_t j = 0; j < m; ++j) {
+            const acc_t y = dot<acc_t>(Wp + j * m * d, z.data(), m * d);
+            pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(acc_t(alpha) * S * y + bp[j])));
+          }
+        } else {
+          std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
+        }
+        std::fill(hacc.begin(), hacc.end(), acc_t(0));
+        for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[r], z.data() + r * d, d);  // eq. 14
+        scalar_t* h_p = hp + p * d;
+        for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
+      }
+    });
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "msar_fuse_forward", [&] { kernel(scalar_t(0)); });
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
+                   const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                   const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const auto acc_type = acc_type_of(out_);
+  const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T, L = m - 1;
+  const auto acc_opts = out_.options().dtype(acc_type);
+  const at::Tensor g = grad_.defined() ? grad_.to(out_.scalar_type()).contiguous() : at::zeros({B, T, d}, out_.options());
+  const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
+  const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
+  const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
+  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
+  const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
+  const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
+  const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
+  at::Tensor gout = at::empty({m, B, T, d}, acc_opts), glse = at::empty({m, B, T}, acc_opts);
+  at::Tensor gx = A.partial ? at::zeros({B, T, d}, acc_opts) : at::Tensor();
+  const int threads = at::get_num_threads();
+  // Per-thread partial sums: queries [m, d], taps [m−1, K, d], W_pre [m, m d], then b_pre [m] and α [1].
+  const int64_t n_q = m * d, n_c = A.partial ? L * K * d : 0, n_w = A.hpre ? m * m * d : 0, n_b = A.hpre ? m + 1 : 0;
+  const int64_t stride = n_q + n_c + n_w + n_b;
+  at::Tensor parts = at::zeros({threads, stride}, acc_opts);
+  // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
+  auto kernel = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t *gp = g.const_data_ptr<scalar_t>(), *op = o.const_data_ptr<scalar_t>();
+    const scalar_t* xp = A.partial ? x.const_data_ptr<scalar_t>() : nullptr;
+    const acc_t *lp = lse.const_data_ptr<acc_t>(), *qp = q.const_data_ptr<acc_t>();
+    const acc_t* cp = A.partial ? c.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* Wp = A.hpre ? W.const_data_ptr<acc_t>() : nullptr;
+    const acc_t* bp = A.hpre ? bias.const_data_ptr<acc_t>() : nullptr;
+    acc_t *gop = gout.mutable_data_ptr<acc_t>(), *glp = glse.mutable_data_ptr<acc_t>();
+    acc_t* gxp = A.partial ? gx.mutable_data_ptr<acc_t>() : nullptr;
+    acc_t* parts_all = parts.mutable_data_ptr<acc_t>();
+    const acc_t al = acc_t(alpha);
+    const int64_t md = m * d;
+    for_each_tile(B, T, A.partial ? K : 1, m * d * (3 * K + 8 + 3 * m), [&](int64_t b, int64_t t0, int64_t t1) {
+      acc_t* gq = parts_all + int64_t(at::get_thread_num()) * stride;
+      acc_t* gc = gq + n_q;
+      acc_t* gW = gc + n_c;
+      acc_t* gb = gW + n_w;  // [m], then α at gb[m]
+      std::vector<acc_t> V(A.partial ? md : 0), z(md), dz(md), s(m), qv(m), lam(m), pre(m), y(m), u(m), dv(d);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = b * T + t;
+        const scalar_t* g_p = gp + p * d;
+        // Recompute the merge (A.8–A.10).
+        for (int64_t r = 0; r < m; ++r) {
+          const scalar_t* o_r = op + (r * P + p) * d;
+          acc_t* z_r = z.data() + r * d;
+          if (!A.partial) {
+            for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
+            continue;
+          }
+          acc_t* v = V.data() + r * d;
+          expand(v, xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
+          const auto [ss, qvr] = square_and_dot(v, qp + r * d, d);
+          s[r] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+          qv[r] = qvr;
+          lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
+          const acc_t l = lam[r];
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) z_r[i] = l * acc_t(o_r[i]) + (acc_t(1) - l) * v[i];
+        }
+        // Fusion backward (eq. 13–14) → ∂z.
+        if (A.hpre) {
+          const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), md) / acc_t(md) + acc_t(eps));
+          acc_t uy = 0;
+          for (int64_t j = 0; j < m; ++j) {
+            y[j] = dot<acc_t>(Wp + j * md, z.data(), md);
+            pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(al * S * y[j] + bp[j])));
+            u[j] = dot<acc_t>(g_p, z.data() + j * d, d) * pre[j] * (acc_t(1) - pre[j]);
+            gb[j] += u[j];
+            gb[m] += u[j] * S * y[j];
+            uy += u[j] * y[j];
+          }
+          const acc_t c_z = al * S * S * S * uy / acc_t(md);
+          for (int64_t r = 0; r < m; ++r) {
+            acc_t* dz_r = dz.data() + r * d;
+            const acc_t* z_r = z.data() + r * d;
+            const acc_t pr = pre[r];
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) dz_r[i] = pr * acc_t(g_p[i]) - c_z * z_r[i];
+          }
+          for (int64_t j = 0; j < m; ++j) {
+            const acc_t uj = u[j] * al * S;
+            axpy(dz.data(), uj, Wp + j * md, md);
+            axpy(gW + j * md, uj, z.data(), md);
+          }
+        } else {
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < d; ++i) dz[r * d + i] = acc_t(g_p[i]) / acc_t(m);
+        }
+        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t* dz_r = dz.data() + r * d;
+          acc_t* go_r = gop + (r * P + p) * d;
+          if (!A.partial) {
+            for (int64_t i = 0; i < d; ++i) go_r[i] = dz_r[i];
+            glp[r * P + p] = 0;
+            continue;
+          }
+          const scalar_t* o_r = op + (r * P + p) * d;
+          const acc_t* v = V.data() + r * d;
+          const acc_t l = lam[r];
+          const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);  // ∂z · ∂z/∂λ = ∂z · (out − v)
+          const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
+          glp[r * P + p] = dzeta;
+          const acc_t da = -dzeta, ds = da * s[r], c_v = da * s[r] * s[r] * s[r] * qv[r] / acc_t(d);
+          const acc_t* qr = qp + r * d;
+          acc_t* gqr = gq + r * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) {
+            go_r[i] = l * dz_r[i];
+            dv[i] = (acc_t(1) - l) * dz_r[i] + ds * qr[i] - c_v * v[i];
+            gqr[i] += ds * v[i];
+          }
+          expand_backward(dv.data(), gxp + p * d, gc + std::max<int64_t>(r - 1, 0) * K * d, xp + p * d,
+                          r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], K, t, d);
+        }
+      }
+    });
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "msar_fuse_backward", [&] { kernel(scalar_t(0)); });
+  at::Tensor total = parts.sum(0);
+  at::Tensor gq = total.narrow(0, 0, n_q).view({m, d}).to(queries.scalar_type());
+  at::Tensor gx_out, gc_out, gw_out, gb_out, ga_out;
+  if (A.partial) {
+    gx_out = gx.to(partial.scalar_type());
+    gc_out = total.narrow(0, n_q, n_c).view({L, K, d}).transpose(-1, -2).to(partial_conv.scalar_type());
+  }
+  if (A.hpre) {
+    gw_out = total.narrow(0, n_q + n_c, n_w).view({m, m * d}).to(w_pre.scalar_type());
+    gb_out = total.narrow(0, n_q + n_c + n_w, m).to(b_pre.scalar_type());
+    ga_out = total.narrow(0, n_q + n_c + n_w + m, 1).view(alpha_pre.sizes()).to(alpha_pre.scalar_type());
+  }
+  return {gout.to(out_.scalar_type()), glse.to(lse_.scalar_type()), gq, gx_out, gc_out, gw_out, gb_out, ga_out};
+}
+
+}  // namespace depthkit::cpu

@@ -1,0 +1,33 @@
+// CPU kernels of the fused MSAR read and merge-fuse (declared here, registered in ops/msar_ops.cpp).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace depthkit::cpu {
+
+// queries [m, d], sources [N, B, T, d] (raw single-stream), conv [N, m−1, d, K]
+//   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
+                                                     const at::Tensor& conv, double eps);
+// Gradients of (out, ζ) → (queries, sources, conv). Either gradient may be undefined (zero).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tensor& grad_out,
+                                                                  const at::Tensor& grad_lse,
+                                                                  const at::Tensor& queries,
+                                                                  const at::Tensor& sources, const at::Tensor& conv,
+                                                                  const at::Tensor& lse, double eps);
+
+// out [m, B, T, d], ζ [m, B, T], queries [m, d]; optional (undefined = absent): partial [B, T, d]
+// with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with b_pre [m] and
+// alpha_pre [1] (all three, or none: mean fusion)  →  h [B, T, d].
+at::Tensor msar_fuse_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
+                             const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                             const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
+// Gradients of h → (out, ζ, queries, partial, partial_conv, w_pre, b_pre, alpha_pre); undefined for
+// absent inputs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+msar_fuse_backward(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
+                   const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                   const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
+
+}  // namespace depthkit::cpu

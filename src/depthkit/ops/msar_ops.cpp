@@ -1,0 +1,163 @@
+// The fused MSAR torch operators: schemas (a fragment of the `depthkit` library that
+// ops/schema.cpp defines), their CPU kernels (ops/cpu/msar_cpu.cpp), the Autograd kernels that
+// route the backward to the hand-written backward operators, and the C++ wrappers (msar_ops.h).
+//
+//   depthkit::msar_read(Tensor queries, Tensor sources, Tensor conv, float eps) -> (Tensor out, Tensor log_partition)
+//   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
+//                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) -> Tensor
+//   and their *_backward operators.
+//
+// What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
+// (msar_fuse, whose `out` input is msar_read's output). Expanded streams, normalised keys,
+// softmax weights, λ and H_pre are recomputed from the raw sources by the backward kernels.
+#include "depthkit/ops/msar_ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "depthkit/ops/cpu/msar_cpu.h"
+
+namespace depthkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptT = std::optional<at::Tensor>;
+
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptT&, const OptT&, const at::Tensor&,
+                                                                   const at::Tensor&, const at::Tensor&,
+                                                                   const at::Tensor&, double);
+using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
+                           const OptT&, const OptT&, const OptT&, double);
+using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const OptT&, const OptT&, const OptT&, const OptT&, const OptT&, double);
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+at::Tensor value_or_undefined(const OptT& t) { return t.has_value() ? *t : at::Tensor(); }
+OptT optional_of(const at::Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
+
+class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
+                               double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto read = op<ReadSig>("depthkit::msar_read");
+    auto [out, lse] = read.call(q, x, c, eps);
+    ctx->save_for_backward({q, x, c, lse});  // not `out`, not the expanded streams
+    ctx->saved_data["eps"] = eps;
+    return {out, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
+    auto s = ctx->get_saved_variables();
+    auto [gq, gx, gc] = back.call(optional_of(grads[0]), optional_of(grads[1]), s[0], s[1], s[2], s[3],
+                                  ctx->saved_data["eps"].toDouble());
+    return {gq, gx, gc, at::Tensor()};
+  }
+};
+
+class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
+                               const OptT& part, const OptT& pconv, const OptT& w, const OptT& b, const OptT& a,
+                               double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fuse = op<FuseSig>("depthkit::msar_fuse");
+    ctx->save_for_backward({out, lse, q, value_or_undefined(part), value_or_undefined(pconv), value_or_undefined(w),
+                            value_or_undefined(b), value_or_undefined(a)});
+    ctx->saved_data["eps"] = eps;
+    return {fuse.call(out, lse, q, part, pconv, w, b, a, eps)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto back = op<FuseBackSig>("depthkit::msar_fuse_backward");
+    auto s = ctx->get_saved_variables();
+    auto [go, gl, gq, gp, gc, gw, gb, ga] =
+        back.call(grads[0], s[0], s[1], s[2], optional_of(s[3]), optional_of(s[4]), optional_of(s[5]),
+                  optional_of(s[6]), optional_of(s[7]), ctx->saved_data["eps"].toDouble());
+    return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
+                                                      double eps) {
+  auto r = MsarReadFunction::apply(q, x, c, eps);
+  return {r[0], r[1]};
+}
+
+at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptT& part,
+                              const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
+  return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps)[0];
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward_cpu(const OptT& grad_out, const OptT& grad_lse,
+                                                                      const at::Tensor& q, const at::Tensor& x,
+                                                                      const at::Tensor& c, const at::Tensor& lse,
+                                                                      double eps) {
+  return cpu::msar_read_backward(value_or_undefined(grad_out), value_or_undefined(grad_lse), q, x, c, lse, eps);
+}
+
+at::Tensor msar_fuse_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptT& part,
+                         const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
+  return cpu::msar_fuse_forward(out, lse, q, value_or_undefined(part), value_or_undefined(pconv), value_or_undefined(w),
+                                value_or_undefined(b), value_or_undefined(a), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
+                       const OptT& part, const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
+  return cpu::msar_fuse_backward(grad, out, lse, q, value_or_undefined(part), value_or_undefined(pconv),
+                                 value_or_undefined(w), value_or_undefined(b), value_or_undefined(a), eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(depthkit, m) {
+  m.def("msar_read(Tensor queries, Tensor sources, Tensor conv, float eps) -> (Tensor, Tensor)");
+  m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor sources, "
+        "Tensor conv, Tensor log_partition, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
+        "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) -> Tensor");
+  m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "
+        "Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
+  m.impl("msar_read", &cpu::msar_read_forward);
+  m.impl("msar_read_backward", &msar_read_backward_cpu);
+  m.impl("msar_fuse", &msar_fuse_cpu);
+  m.impl("msar_fuse_backward", &msar_fuse_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
+  m.impl("msar_read", &msar_read_autograd);
+  m.impl("msar_fuse", &msar_fuse_autograd);
+}
+
+namespace fused {
+
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
+                                             const at::Tensor& conv, double eps) {
+  static auto read = op<ReadSig>("depthkit::msar_read");
+  return read.call(queries, sources, conv, eps);
+}
+
+at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
+                     const std::optional<at::Tensor>& partial, const std::optional<at::Tensor>& partial_conv,
+                     const std::optional<at::Tensor>& w_pre, const std::optional<at::Tensor>& b_pre,
+                     const std::optional<at::Tensor>& alpha_pre, double eps) {
+  static auto fuse = op<FuseSig>("depthkit::msar_fuse");
+  return fuse.call(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, eps);
+}
+
+}  // namespace fused
+
+}  // namespace depthkit

@@ -1,0 +1,42 @@
+// Fused MSAR operators (MSAR eq. 9–17, §3.4, Appendix C Table 6), registered as torch operators
+// in namespace `depthkit` (ops/msar_ops.cpp) with CPU kernels (ops/cpu/msar_cpu.cpp) and an
+// Autograd kernel whose backward is a hand-written operator. Usable from C++ (these functions)
+// and Python (torch.ops.depthkit.msar_read / msar_fuse). The expanded streams are computed in
+// registers and thread-local buffers from the raw single-stream sources and are never stored,
+// neither in the forward nor for the backward (which recomputes them).
+//
+// The pathway's read of branch ℓ is
+//   (out, ζ) = msar_read(queries_ℓ, completed sources, their banks)           phase 1 (eq. 11–12)
+//   h_ℓ      = msar_fuse(out, ζ, queries_ℓ, partial, bank ℓ−1, W_pre, b_pre, α_pre)
+//                                                        phase 2 merge (eq. 17) + H_pre (eq. 13–14)
+// and equals the reference composition (Msar with impl = "reference"), which the tests hold it to.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace depthkit::fused {
+
+// Phase 1, per stream r and token: softmax over the N completed sources of the expanded keys =
+// values v⁽ʳ⁾ (eq. 10; stream 0 is the identity), keys normalised by weightless RMSNorm.
+//   queries [m, d], sources [N, B, T, d] (raw), conv [N, m−1, d, K] (source n's bank, taps
+//   zero-padded to the largest kernel K; conv[n, r−1, :, δ] weighs x_{t−δ})
+//   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
+// For the conv = false ablation pass identity taps (ones, K = 1): every stream is the source.
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
+                                             const at::Tensor& conv, double eps);
+
+// Phase 2 and fusion, per token: merges the block partial's expansion into each stream by
+// online softmax (λ_r = σ(ζ_r − a_r), DAR eq. A.6–A.10), then fuses the m streams:
+// h = Σ_r H_pre[r] z⁽ʳ⁾ with H_pre = σ(α_pre · RMSNorm(flatten Z) W_preᵀ + b_pre) (eq. 13–14),
+// or h = mean_r z⁽ʳ⁾ when w_pre, b_pre, alpha_pre are absent.
+//   out [m, B, T, d], log_partition [m, B, T], queries [m, d];
+//   partial [B, T, d] and partial_conv [m−1, d, K'] (absent at a block's first branch);
+//   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d].
+at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
+                     const std::optional<at::Tensor>& partial, const std::optional<at::Tensor>& partial_conv,
+                     const std::optional<at::Tensor>& w_pre, const std::optional<at::Tensor>& b_pre,
+                     const std::optional<at::Tensor>& alpha_pre, double eps);
+
+}  // namespace depthkit::fused

@@ -1,0 +1,566 @@
+// The fused MSAR operators (ops/msar_ops.h) against a reference composition of ATen ops
+// (expansion by conv1d, key_norm, depth_read, merge_partial, H_pre fusion; autograd gives the
+// backward): forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative,
+// on shapes with N = 1, T = 1, T below the largest kernel, odd d, B > 1 (the convolution must not
+// leak across batch rows); a finite-difference gradient check in float64; bfloat16; memory that
+// does not grow with m·N·T·d (a counting CPU allocator); the Msar pathway with impl = fused equal
+// to impl = reference; and a disabled timing test (run with --gtest_also_run_disabled_tests).
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/conv1d.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tanh.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <optional>
+
+#include "depthkit/model/parameters.h"
+#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/msar_ops.h"
+#include "depthkit/pathways/pathway.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
+  if (a.defined() && a.numel() == 0 && (!b.defined() || b.numel() == 0)) return ::testing::AssertionSuccess();  // m = 1
+  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": undefined tensor";
+  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape " << a.sizes() << " vs " << b.sizes();
+  const double scale = std::max(1.0, b.abs().max().item<double>());
+  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+  if (err <= rtol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
+}
+
+// ---- Reference composition -------------------------------------------------------------------
+
+// Stream r of x [B, T, d] under taps c [d, K] (c[:, δ] weighs x_{t−δ}, eq. 10), by grouped conv1d.
+at::Tensor conv_stream(const at::Tensor& x, const at::Tensor& c) {
+  const int64_t T = x.size(1), d = x.size(2), K = c.size(1);
+  at::Tensor padded = at::constant_pad_nd(x.transpose(1, 2), {K - 1, 0});
+  at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
+                            at::IntArrayRef{1}, d);
+  return y.transpose(1, 2).narrow(1, 0, T);
+}
+
+// The m streams [m, B, T, d] of x under a bank [m − 1, d, K].
+at::Tensor expand_ref(const at::Tensor& x, const at::Tensor& bank) {
+  std::vector<at::Tensor> out = {x};
+  for (int64_t r = 1; r <= bank.size(0); ++r) out.push_back(conv_stream(x, bank[r - 1]));
+  return at::stack(out);
+}
+
+// Phase 1: per stream, depth_read over the expanded sources. → out [m, B, T, d], ζ [m, B, T].
+std::pair<at::Tensor, at::Tensor> read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
+  std::vector<at::Tensor> expanded;
+  for (int64_t n = 0; n < x.size(0); ++n) expanded.push_back(expand_ref(x[n], conv[n]));
+  at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
+  std::vector<at::Tensor> outs, lses;
+  for (int64_t r = 0; r < q.size(0); ++r) {
+    DepthRead d = depth_read(q[r], E[r], E[r]);
+    outs.push_back(d.out);
+    lses.push_back(d.log_partition);
+  }
+  return {at::stack(outs), at::stack(lses)};
+}
+
+// Phase 2 and fusion: merge_partial per stream, then H_pre (eq. 13–14) or the mean.
+at::Tensor fuse_ref(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& partial,
+                    const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
+  at::Tensor part = partial.defined() ? expand_ref(partial, pconv) : at::Tensor();
+  std::vector<at::Tensor> z;
+  for (int64_t r = 0; r < q.size(0); ++r)
+    z.push_back(partial.defined() ? merge_partial(DepthRead{out[r], lse[r]}, q[r], part[r], part[r]) : out[r]);
+  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
+  if (!w.defined()) return Z.mean(-2);
+  at::Tensor pre = at::sigmoid(alpha * at::linear(key_norm(Z.flatten(-2)), w) + b);
+  return (pre.unsqueeze(-1) * Z).sum(-2);
+}
+
+// ---- Cases -----------------------------------------------------------------------------------
+
+struct Shape {
+  int64_t m, N, B, T, d, K;
+};
+// N = 1; T = 1; T < K; odd d; B > 1; m = 1 (no conv streams); K = 1.
+const Shape kShapes[] = {{1, 1, 1, 1, 1, 1}, {4, 1, 1, 1, 5, 3},  {4, 2, 3, 3, 7, 5},
+                         {2, 3, 2, 6, 3, 1}, {3, 5, 3, 9, 8, 4},  {4, 3, 2, 17, 16, 12}};
+
+std::string describe(const Shape& s) { return cat("m ", s.m, " N ", s.N, " B ", s.B, " T ", s.T, " d ", s.d, " K ", s.K); }
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(); }
+
+void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.m * 1000 + s.N * 100 + s.T * 10 + s.d);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  std::vector<at::Tensor> in = {at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
+                                at::randn({s.N, s.m - 1, s.d, s.K}, g, opt) * 0.5};
+  // A shorter kernel: zero-padded taps (skipped by the kernel where exact; their gradient is not zero).
+  if (s.m > 1 && s.K > 2) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
+  std::vector<at::Tensor> a, b;
+  for (auto& t : in) a.push_back(leaf(t)), b.push_back(leaf(t));
+  auto [out, lse] = fused::msar_read(a[0], a[1], a[2], kKeyNormEps);
+  auto [ref_out, ref_lse] = read_ref(b[0], b[1], b[2]);
+  EXPECT_TRUE(near(out, ref_out, rtol, "out"));
+  EXPECT_TRUE(near(lse, ref_lse, rtol, "log-partition"));
+  at::Tensor w_out = at::randn(out.sizes(), g, opt), w_lse = at::randn(lse.sizes(), g, opt);
+  ((out * w_out).sum() + (lse * w_lse).sum()).backward();
+  ((ref_out * w_out).sum() + (ref_lse * w_lse).sum()).backward();
+  const char* names[] = {"d queries", "d sources", "d conv"};
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, names[i]));
+}
+
+void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType dtype, double rtol) {
+  auto g = generator(s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  std::vector<at::Tensor> in = {at::randn({s.m, s.B, s.T, s.d}, g, opt), at::randn({s.m, s.B, s.T}, g, opt),
+                                at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.B, s.T, s.d}, g, opt),
+                                at::randn({s.m - 1, s.d, s.K}, g, opt) * 0.5, at::randn({s.m, s.m * s.d}, g, opt),
+                                at::randn({s.m}, g, opt), at::randn({1}, g, opt) + 1.0};
+  if (s.m > 1 && s.K > 2) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
+  std::vector<at::Tensor> a, b;
+  for (auto& t : in) a.push_back(leaf(t)), b.push_back(leaf(t));
+  auto opt_of = [](const at::Tensor& t, bool on) { return on ? std::optional<at::Tensor>(t) : std::nullopt; };
+  at::Tensor h = fused::msar_fuse(a[0], a[1], a[2], opt_of(a[3], with_partial), opt_of(a[4], with_partial),
+                                  opt_of(a[5], hpre), opt_of(a[6], hpre), opt_of(a[7], hpre), kKeyNormEps);
+  const at::Tensor none;
+  at::Tensor ref = fuse_ref(b[0], b[1], b[2], with_partial ? b[3] : none, with_partial ? b[4] : none,
+                            hpre ? b[5] : none, hpre ? b[6] : none, hpre ? b[7] : none);
+  EXPECT_TRUE(near(h, ref, rtol, "h"));
+  at::Tensor w = at::randn(h.sizes(), g, opt);
+  (h * w).sum().backward();
+  (ref * w).sum().backward();
+  const char* names[] = {"d out", "d log-partition", "d queries", "d partial", "d partial conv", "d W_pre",
+                         "d b_pre", "d alpha_pre"};
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (!with_partial && (i == 3 || i == 4)) continue;
+    if (!hpre && i >= 5) continue;
+    // Without a partial, ζ and the queries get no gradient from this op: the fused op returns zeros.
+    if (!with_partial && (i == 1 || i == 2)) {
+      EXPECT_TRUE(!a[i].grad().defined() || a[i].grad().abs().max().item<double>() == 0.0);
+      continue;
+    }
+    EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, names[i]));
+  }
+}
+
+}  // namespace
+
+TEST(FusedMsarRead, EqualsReferenceFloat64) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(describe(s));
+    compare_read(s, at::kDouble, 1e-10);
+  }
+}
+
+TEST(FusedMsarRead, EqualsReferenceFloat32) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(describe(s));
+    compare_read(s, at::kFloat, 1e-5);
+  }
+}
+
+TEST(FusedMsarFuse, EqualsReferenceFloat64AndFloat32) {
+  for (const Shape& s : kShapes)
+    for (bool with_partial : {false, true})
+      for (bool hpre : {false, true}) {
+        SCOPED_TRACE(cat(describe(s), " partial ", with_partial, " hpre ", hpre));
+        compare_fuse(s, with_partial, hpre, at::kDouble, 1e-10);
+        compare_fuse(s, with_partial, hpre, at::kFloat, 1e-5);
+      }
+}
+
+// The two ops chained equal one softmax per stream over all N + 1 candidates (eq. 17), fused.
+TEST(FusedMsar, ReadThenFuseEqualsOneSoftmaxOverAllCandidates) {
+  const Shape s{4, 3, 2, 7, 9, 5};
+  auto g = generator(21);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({s.m, s.d}, g, opt), x = at::randn({s.N + 1, s.B, s.T, s.d}, g, opt);
+  at::Tensor conv = at::randn({s.N + 1, s.m - 1, s.d, s.K}, g, opt);
+  auto [out, lse] = fused::msar_read(q, x.narrow(0, 0, s.N), conv.narrow(0, 0, s.N), kKeyNormEps);
+  at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], std::nullopt, std::nullopt, std::nullopt, kKeyNormEps);
+  auto [all, all_lse] = read_ref(q, x, conv);
+  EXPECT_TRUE(near(h, all.mean(0), 1e-10, "merged read vs one softmax"));
+}
+
+// Central finite differences in float64 against the hand-written backward of both ops chained.
+TEST(FusedMsar, GradcheckFloat64) {
+  auto g = generator(11);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  const int64_t m = 3, N = 2, B = 2, T = 4, d = 3, K = 3;
+  std::vector<at::Tensor> inputs = {at::randn({m, d}, g, opt),         at::randn({N, B, T, d}, g, opt),
+                                    at::randn({N, m - 1, d, K}, g, opt), at::randn({B, T, d}, g, opt),
+                                    at::randn({m - 1, d, K}, g, opt),    at::randn({m, m * d}, g, opt),
+                                    at::randn({m}, g, opt),              at::randn({1}, g, opt)};
+  at::Tensor w = at::randn({B, T, d}, g, opt), w2 = at::randn({m, B, T, d}, g, opt);
+  auto f = [&](const std::vector<at::Tensor>& in) {
+    auto [out, lse] = fused::msar_read(in[0], in[1], in[2], kKeyNormEps);
+    at::Tensor h = fused::msar_fuse(out, lse, in[0], in[3], in[4], in[5], in[6], in[7], kKeyNormEps);
+    return (h * w).sum() + (out * w2).sum() + lse.sum();
+  };
+  std::vector<at::Tensor> leaves;
+  for (auto& t : inputs) leaves.push_back(t.clone().requires_grad_());
+  f(leaves).backward();
+  const double step = 1e-6;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    at::Tensor numeric = at::zeros_like(inputs[i]);
+    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
+      auto plus = inputs, minus = inputs;
+      plus[i] = inputs[i].clone();
+      minus[i] = inputs[i].clone();
+      plus[i].view(-1)[j] += step;
+      minus[i].view(-1)[j] -= step;
+      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * step);
+    }
+    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
+  }
+}
+
+TEST(FusedMsar, BFloat16WithinItsPrecision) {
+  auto g = generator(12);
+  at::Tensor q = at::randn({4, 64}, g), x = at::randn({3, 2, 16, 64}, g), c = at::randn({3, 3, 64, 12}, g) * 0.3;
+  auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
+  auto back = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
+  auto [out, lse] = fused::msar_read(bf(q), bf(x), bf(c), kKeyNormEps);
+  auto [ref_out, ref_lse] = read_ref(back(q), back(x), back(c));
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(lse.scalar_type(), at::kFloat);
+  EXPECT_TRUE(near(out, ref_out, 1e-2, "bf16 out"));  // one bf16 rounding of the output: 2^-8
+  EXPECT_TRUE(near(lse, ref_lse, 1e-5, "bf16 log-partition (float32)"));
+  at::Tensor h = fused::msar_fuse(out, lse, bf(q), bf(x[0]), bf(c[0]), std::nullopt, std::nullopt, std::nullopt,
+                                  kKeyNormEps);
+  at::Tensor ref_h = fuse_ref(out.to(at::kFloat), lse, back(q), back(x[0]), back(c[0]), {}, {}, {});
+  EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));
+}
+
+TEST(FusedMsar, BadShapesAreClearErrors) {
+  at::Tensor q = at::zeros({3, 4}), x = at::zeros({2, 1, 5, 4});
+  expect_error([&] { fused::msar_read(q, x, at::zeros({2, 1, 4, 3}), kKeyNormEps); }, {"msar_read", "conv"});
+  expect_error([&] { fused::msar_read(at::zeros({3, 5}), x, at::zeros({2, 2, 5, 3}), kKeyNormEps); },
+               {"msar_read", "d = 5"});
+  at::Tensor out = at::zeros({3, 1, 5, 4}), lse = at::zeros({3, 1, 5});
+  expect_error([&] { fused::msar_fuse(out, lse, q, x[0], std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1e-6); },
+               {"msar_fuse", "together"});
+}
+
+// ---- Memory ----------------------------------------------------------------------------------
+
+namespace {
+
+// Counts the bytes of live CPU tensor storage (current and peak) while installed as the CPU
+// allocator; every allocation goes to the allocator it replaced. The data pointer is its own
+// context (some kernels, e.g. oneDNN's, require that), and a side table keeps the real one.
+class CountingAllocator final : public at::Allocator {
+ public:
+  void install() {
+    base_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this, /*priority=*/100);
+  }
+  void uninstall() { c10::SetCPUAllocator(base_, /*priority=*/100); }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peak_ = current_;
+  }
+  int64_t current() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return current_;
+  }
+  int64_t peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+
+  at::DataPtr allocate(size_t n) override {
+    at::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    std::lock_guard<std::mutex> lock(mutex_);
+    current_ += int64_t(n);
+    peak_ = std::max(peak_, current_);
+    if (data != nullptr) live_.emplace(data, Live{std::move(inner), int64_t(n)});
+    return {data, data, &release, at::Device(at::kCPU)};
+  }
+  at::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+ private:
+  struct Live {
+    at::DataPtr inner;
+    int64_t bytes;
+  };
+  static void release(void* data);
+  at::Allocator* base_ = nullptr;
+  std::mutex mutex_;
+  int64_t current_ = 0, peak_ = 0;
+  std::unordered_map<void*, Live> live_;
+  friend CountingAllocator& counting_allocator();
+};
+
+CountingAllocator& counting_allocator() {
+  static CountingAllocator* a = new CountingAllocator();  // outlives every tensor it allocated
+  return *a;
+}
+
+void CountingAllocator::release(void* data) {
+  CountingAllocator& a = counting_allocator();
+  at::DataPtr inner;  // freed after the lock is released
+  std::lock_guard<std::mutex> lock(a.mutex_);
+  auto it = a.live_.find(data);
+  if (it == a.live_.end()) return;
+  a.current_ -= it->second.bytes;
+  inner = std::move(it->second.inner);
+  a.live_.erase(it);
+}
+
+// Installs the counting allocator for a scope.
+struct Counting {
+  Counting() { counting_allocator().install(); }
+  ~Counting() { counting_allocator().uninstall(); }
+};
+
+struct MemoryUse {
+  int64_t forward_peak, kept, backward_peak;  // bytes beyond the inputs (and the incoming gradient)
+};
+
+// Forward of read + fuse (with a partial and H_pre), what stays alive for the backward, and the
+// backward's peak, for the fused ops or the reference composition.
+MemoryUse measure(bool fused_impl, int64_t m, int64_t N, int64_t B, int64_t T, int64_t d, int64_t K) {
+  auto g = generator(3);
+  std::vector<at::Tensor> in = {at::randn({m, d}, g),          at::randn({N, B, T, d}, g), at::randn({N, m - 1, d, K}, g),
+                                at::randn({B, T, d}, g),       at::randn({m - 1, d, K}, g), at::randn({m, m * d}, g),
+                                at::randn({m}, g),             at::randn({1}, g)};
+  for (auto& t : in) t.requires_grad_();
+  at::Tensor w = at::randn({B, T, d}, g);
+  CountingAllocator& A = counting_allocator();
+  MemoryUse use{};
+  {
+    Counting counting;
+    const int64_t base = A.current();
+    A.reset_peak();
+    at::Tensor h;
+    if (fused_impl) {
+      auto [out, lse] = fused::msar_read(in[0], in[1], in[2], kKeyNormEps);
+      h = fused::msar_fuse(out, lse, in[0], in[3], in[4], in[5], in[6], in[7], kKeyNormEps);
+    } else {
+      auto [out, lse] = read_ref(in[0], in[1], in[2]);
+      h = fuse_ref(out, lse, in[0], in[3], in[4], in[5], in[6], in[7]);
+    }
+    at::Tensor loss = (h * w).sum();
+    use.forward_peak = A.peak() - base;
+    use.kept = A.current() - base;
+    A.reset_peak();
+    loss.backward();
+    use.backward_peak = A.peak() - base;
+  }
+  return use;
+}
+
+}  // namespace
+
+// The fused ops never hold the expanded streams: their forward peak and what they keep for the
+// backward are the outputs (m·B·T·d for phase 1, B·T·d for h) whatever N and the kernel sizes;
+// the backward peak adds the gradients (m·B·T·d for ∂out, N·B·T·d for ∂sources) and per-thread
+// parameter sums, never m·N·B·T·d. The reference composition holds the expansions, ≥ m·N·B·T·d.
+TEST(FusedMsar, MemoryDoesNotGrowWithStreamsTimesSources) {
+  const int64_t m = 4, B = 2, T = 512, d = 32, K = 12, unit = B * T * d * int64_t(sizeof(float));
+  const int64_t threads = at::get_num_threads();
+  for (int64_t N : {2, 8, 16}) {
+    SCOPED_TRACE(cat("N ", N));
+    MemoryUse f = measure(true, m, N, B, T, d, K), r = measure(false, m, N, B, T, d, K);
+    const int64_t params = (threads + 1) * ((N + 1) * (m - 1) * K * d + m * d + m * m * d + m + 1) * 4;
+    const int64_t slack = 64 * 1024 + params;
+    std::printf("  N %2lld: fused forward peak %6.2f units, kept %6.2f, backward peak %6.2f | reference %7.2f, %7.2f, "
+                "%7.2f (unit = B·T·d floats; m·N = %lld)\n",
+                (long long)N, double(f.forward_peak) / unit, double(f.kept) / unit, double(f.backward_peak) / unit,
+                double(r.forward_peak) / unit, double(r.kept) / unit, double(r.backward_peak) / unit,
+                (long long)(m * N));
+    EXPECT_LE(f.forward_peak, (m + 3) * unit + slack);        // out, ζ, h, h·w
+    EXPECT_LE(f.kept, (m + 2) * unit + slack);                // out, ζ, h
+    EXPECT_LE(f.backward_peak, (2 * m + N + 6) * unit + slack);  // + ∂h, ∂out, ∂ζ, ∂partial, ∂sources
+    EXPECT_GE(r.forward_peak, m * N * unit);                           // the expansions
+    EXPECT_GE(r.kept, m * N * unit);
+  }
+}
+
+// ---- The pathway -----------------------------------------------------------------------------
+
+namespace {
+
+struct PathRun {
+  std::vector<at::Tensor> inputs;
+  at::Tensor hidden;
+  std::map<std::string, at::Tensor> grads;
+  at::Tensor grad_embedding;
+};
+
+PathRun drive_msar(const ResidualConfig& r, const ModelConfig& model, at::ScalarType dtype, int64_t B, int64_t T) {
+  ParameterStore params(at::kCPU, 3, dtype);
+  auto path = make_pathway(r, model, params);
+  {
+    auto g = generator(8);
+    at::NoGradGuard no_grad;
+    for (const auto& p : params.all()) p.tensor.copy_(at::randn(p.tensor.sizes(), g).to(dtype) * 0.5);
+  }
+  auto g = generator(9);
+  const auto opt = at::TensorOptions().dtype(dtype);
+  at::Tensor e = at::randn({B, T, model.d_model}, g, opt).requires_grad_();
+  PathRun run;
+  auto state = path->begin(e);
+  at::Tensor loss = at::zeros({}, opt);
+  for (int64_t l = 1; l <= model.n_branches(); ++l) {
+    at::Tensor h = path->read(*state, l);
+    run.inputs.push_back(h);
+    at::Tensor W = at::randn({model.d_model, model.d_model}, g, opt) * 0.4;
+    path->write(*state, l, 0.5 * at::tanh(at::linear(h, W)));
+    loss = loss + (h * at::randn(h.sizes(), g, opt)).sum();
+  }
+  run.hidden = path->finish(*state);
+  loss = loss + (run.hidden * at::randn(run.hidden.sizes(), g, opt)).sum();
+  loss.backward();
+  for (const auto& p : params.all()) run.grads[p.name] = p.tensor.grad().defined() ? p.tensor.grad() : at::zeros_like(p.tensor);
+  run.grad_embedding = e.grad();
+  return run;
+}
+
+}  // namespace
+
+TEST(FusedMsar, PathwayEqualsReference) {
+  ModelConfig model;
+  model.n_layers = 3;
+  model.d_model = 7;
+  for (int64_t S : {1, 2})
+    for (bool conv : {true, false})
+      for (const char* fusion : {"hpre", "mean"})
+        for (auto [dtype, rtol] : {std::pair{at::kDouble, 1e-10}, std::pair{at::kFloat, 1e-5}}) {
+          SCOPED_TRACE(cat("S ", S, " conv ", conv, " ", fusion, " ", dtype));
+          ResidualConfig r;
+          r.kind = "msar";
+          r.block_sublayers = S;
+          r.conv = conv;
+          r.fusion = fusion;
+          r.kernels = {2, 3, 6};  // T = 5 < 6
+          PathRun ref = drive_msar(r, model, dtype, 2, 5);
+          r.impl = "fused";
+          PathRun fus = drive_msar(r, model, dtype, 2, 5);
+          for (size_t l = 0; l < ref.inputs.size(); ++l)
+            EXPECT_TRUE(near(fus.inputs[l], ref.inputs[l], rtol, cat("h_", l + 1)));
+          EXPECT_TRUE(near(fus.hidden, ref.hidden, rtol, "final hidden"));
+          EXPECT_TRUE(near(fus.grad_embedding, ref.grad_embedding, rtol, "d embedding"));
+          EXPECT_EQ(fus.grads.size(), ref.grads.size());
+          for (const auto& [name, grad] : ref.grads) EXPECT_TRUE(near(fus.grads.at(name), grad, rtol, "d " + name));
+        }
+}
+
+// ---- Timing (disabled: run with --gtest_also_run_disabled_tests) -------------------------------
+
+namespace {
+
+// Medians of fused and reference runs taken alternately (the machine is shared: load drifts).
+std::pair<double, double> median_ms(const std::function<void()>& a, const std::function<void()>& b, int repeats) {
+  std::vector<double> ta, tb;
+  auto time = [](const std::function<void()>& fn) {
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  a();  // warm-up
+  b();
+  for (int i = 0; i < repeats; ++i) {
+    ta.push_back(time(a));
+    tb.push_back(time(b));
+  }
+  std::sort(ta.begin(), ta.end());
+  std::sort(tb.begin(), tb.end());
+  return {ta[ta.size() / 2], tb[tb.size() / 2]};
+}
+
+void time_shape(const char* label, int64_t m, int64_t N, int64_t B, int64_t T, int64_t d, std::vector<int64_t> kernels,
+                int repeats) {
+  auto g = generator(5);
+  const int64_t K = *std::max_element(kernels.begin(), kernels.end());
+  at::Tensor q = at::randn({m, d}, g).requires_grad_(), x = at::randn({N, B, T, d}, g).requires_grad_();
+  at::Tensor conv = (at::randn({N, m - 1, d, K}, g) * 0.3), pconv = at::randn({m - 1, d, K}, g) * 0.3;
+  for (int64_t r = 1; r < m; ++r) {  // taps beyond κ_r are zero, as the pathway pads them
+    conv.select(1, r - 1).narrow(-1, kernels[r - 1], K - kernels[r - 1]).zero_();
+    pconv[r - 1].narrow(-1, kernels[r - 1], K - kernels[r - 1]).zero_();
+  }
+  conv.requires_grad_();
+  pconv.requires_grad_();
+  at::Tensor part = at::randn({B, T, d}, g).requires_grad_(), w = (at::randn({m, m * d}, g) * 0.02).requires_grad_();
+  at::Tensor b = at::zeros({m}).requires_grad_(), a = at::full({1}, 0.01).requires_grad_();
+  at::Tensor gh = at::randn({B, T, d}, g);
+  auto fused_fb = [&] {
+    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
+    at::Tensor h = fused::msar_fuse(out, lse, q, part, pconv, w, b, a, kKeyNormEps);
+    h.backward(gh);
+  };
+  auto ref_fb = [&] {
+    auto [out, lse] = read_ref(q, x, conv);
+    at::Tensor h = fuse_ref(out, lse, q, part, pconv, w, b, a);
+    h.backward(gh);
+  };
+  auto fused_f = [&] {
+    at::NoGradGuard ng;
+    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
+    fused::msar_fuse(out, lse, q, part, pconv, w, b, a, kKeyNormEps);
+  };
+  auto ref_f = [&] {
+    at::NoGradGuard ng;
+    auto [out, lse] = read_ref(q, x, conv);
+    fuse_ref(out, lse, q, part, pconv, w, b, a);
+  };
+  auto [ff, rf] = median_ms(fused_f, ref_f, repeats);
+  auto [ffb, rfb] = median_ms(fused_fb, ref_fb, repeats);
+  {  // where the fused time goes
+    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
+    at::Tensor go = at::randn(out.sizes(), g), gl = at::randn(lse.sizes(), g);
+    auto read_back = [&] { torch::autograd::backward({out, lse}, {go, gl}, /*retain_graph=*/true); };
+    at::Tensor h = fused::msar_fuse(out.detach().requires_grad_(), lse.detach().requires_grad_(), q, part, pconv, w, b,
+                                    a, kKeyNormEps);
+    auto fuse_back = [&] { h.backward(gh, /*retain_graph=*/true); };
+    auto [rb, fb] = median_ms(read_back, fuse_back, repeats);
+    std::printf("  %s fused backward: msar_read %.2f ms, msar_fuse %.2f ms\n", label, rb, fb);
+  }
+  std::printf("  %s m %lld N %lld B %lld T %lld d %lld: forward fused %.2f ms, reference %.2f ms (%.1fx); "
+              "forward+backward fused %.2f ms, reference %.2f ms (%.1fx)\n",
+              label, (long long)m, (long long)N, (long long)B, (long long)T, (long long)d, ff, rf, rf / ff, ffb, rfb,
+              rfb / ffb);
+}
+
+}  // namespace
+
+// The tiny config's shapes (m = 4, κ = {4, 8, 12}, d = 128, B = 16, T = 256) with up to 5 sources.
+TEST(FusedMsar, DISABLED_TimingTiny) {
+  std::printf("  threads %d\n", at::get_num_threads());
+  for (int64_t N : {1, 3, 5}) time_shape("tiny", 4, N, 16, 256, 128, {4, 8, 12}, 7);
+}
+
+// 0.1B shapes: d = 640, B = 1, T = 4096, N = 9.
+TEST(FusedMsar, DISABLED_Timing01B) {
+  std::printf("  threads %d\n", at::get_num_threads());
+  time_shape("0.1B", 4, 9, 1, 4096, 640, {4, 8, 12}, 3);
+}
+
+}  // namespace depthkit::test
