@@ -74,8 +74,10 @@ void compare_pre(const Shape& s, at::ScalarType dtype, double rtol) {
   EXPECT_TRUE(near(h, ref_h, rtol, "h"));
   EXPECT_TRUE(near(post, ref_post, rtol, "H_post"));
   EXPECT_TRUE(near(res, ref_res, rtol, "H_res logits"));
-  if (s.m > 1) EXPECT_GT((ref_res.amax({-2, -1}) - ref_res.amin({-2, -1})).min().item<double>(), 1.0)
-      << "the H_res logits must spread (non-trivial parameters)";
+  if (s.m > 1) {
+    EXPECT_GT((ref_res.amax({-2, -1}) - ref_res.amin({-2, -1})).min().item<double>(), 1.0)
+        << "the H_res logits must spread (non-trivial parameters)";
+  }
   const auto opt = at::TensorOptions().dtype(dtype);
   at::Tensor wh = at::randn(h.sizes(), g, opt), wp = at::randn(post.sizes(), g, opt), wr = at::randn(res.sizes(), g, opt);
   ((h * wh).sum() + (post * wp).sum() + (res * wr).sum()).backward();
@@ -91,8 +93,9 @@ void compare_sinkhorn(const Shape& s, at::ScalarType dtype, double rtol) {
   at::Tensor l2 = l.detach().clone().requires_grad_();
   at::Tensor H = fused::mhc_sinkhorn(l, 20), ref = mhc_sinkhorn_reference(l2, 20);
   EXPECT_TRUE(near(H, ref, rtol, "H_res"));
-  if (s.m > 1)  // far from uniform: on average the entries of a token's H_res spread over more than 0.3
+  if (s.m > 1) {  // far from uniform: on average the entries of a token's H_res spread over more than 0.3
     EXPECT_GT((ref.amax({-2, -1}) - ref.amin({-2, -1})).mean().item<double>(), 0.3) << "H_res near uniform";
+  }
   at::Tensor w = at::randn(H.sizes(), g, opt);
   (H * w).sum().backward();
   (ref * w).sum().backward();

@@ -63,7 +63,6 @@ void check_read(const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1,
     fail("dar_read: all inputs must share one dtype");
 }
 
-at::ScalarType acc_type_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
 // Candidate c of a stream for token p: a completed entry (c < N) or the partial (c = N).

@@ -2,12 +2,20 @@
 // acc_t (float32 for float32/bfloat16 storage, float64 for float64). The loops are plain so that
 // the compiler vectorises them (the kernel files compile with -fopenmp-simd; no OpenMP runtime).
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace depthkit::cpu {
 
+// Float32 accumulation for float32 and bfloat16 storage, float64 for float64.
+inline at::ScalarType acc_type_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// a · b over d.
 template <class acc_t, class A, class B>
 inline acc_t dot(const A* a, const B* b, int64_t d) {
   acc_t s = 0;

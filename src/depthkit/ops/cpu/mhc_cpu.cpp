@@ -47,6 +47,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "depthkit/ops/cpu/kernel_math.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
@@ -55,28 +56,12 @@ namespace {
 
 at::ScalarType wide_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-template <class acc_t, class scalar_t>
-acc_t dot(const scalar_t* a, const scalar_t* b, int64_t d) {
-  acc_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
-  return s;
-}
-
-template <class acc_t>
-acc_t sigmoid(acc_t v) { return acc_t(1) / (acc_t(1) + std::exp(-v)); }
-
 // Contiguous loops over d, kept out of the AT_DISPATCH lambdas (a pragma can't sit in a macro
-// argument). a = w x;  a += w x;  o = a (rounded to storage);  o = c x + w g.
+// argument). a = w x;  o = a (rounded to storage);  o = c x + w g.
 template <class acc_t, class scalar_t>
 void set_scaled(acc_t* a, acc_t w, const scalar_t* x, int64_t d) {
 #pragma omp simd
   for (int64_t e = 0; e < d; ++e) a[e] = w * acc_t(x[e]);
-}
-template <class acc_t, class scalar_t>
-void add_scaled(acc_t* a, acc_t w, const scalar_t* x, int64_t d) {
-#pragma omp simd
-  for (int64_t e = 0; e < d; ++e) a[e] += w * acc_t(x[e]);
 }
 template <class scalar_t, class acc_t>
 void store(scalar_t* o, const acc_t* a, int64_t d) {
@@ -88,9 +73,6 @@ void set_two_scaled(acc_t* o, acc_t c, const scalar_t* x, acc_t w, const scalar_
 #pragma omp simd
   for (int64_t e = 0; e < d; ++e) o[e] = c * acc_t(x[e]) + w * acc_t(g[e]);
 }
-
-// A grain that gives each task a few thousand multiply-adds.
-int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
 
 // The leading dimensions [*] of a [*, a, b] tensor.
 std::vector<int64_t> lead(const at::Tensor& t, int64_t trailing) {
@@ -239,7 +221,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
           mix_streams<4>(hp + p * d, pre.data(), xs, d);
         } else {
           set_scaled(acc.data(), pre[0], xs, d);
-          for (int64_t i = 1; i < m; ++i) add_scaled(acc.data(), pre[i], xs + i * d, d);
+          for (int64_t i = 1; i < m; ++i) axpy(acc.data(), pre[i], xs + i * d, d);
           store(hp + p * d, acc.data(), d);
         }
       }
@@ -488,7 +470,7 @@ at::Tensor mhc_merge_forward(const at::Tensor& x_, const at::Tensor& f_, const a
         }
         for (int64_t j = 0; j < m; ++j) {
           set_scaled(a, pp[p * m + j], fs, d);
-          for (int64_t i = 0; i < m; ++i) add_scaled(a, H[i * m + j], xs + i * d, d);
+          for (int64_t i = 0; i < m; ++i) axpy(a, H[i * m + j], xs + i * d, d);
           store(op + p * md + j * d, a, d);
         }
       }
@@ -542,12 +524,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_merge_backward(co
         }
         // ∂f = Σ_j H_post[j] G_j
         set_scaled(a, hp[0], gs, d);
-        for (int64_t j = 1; j < m; ++j) add_scaled(a, hp[j], gs + j * d, d);
+        for (int64_t j = 1; j < m; ++j) axpy(a, hp[j], gs + j * d, d);
         store(dfp + p * d, a, d);
         // ∂x_i = Σ_j H_res[i, j] G_j
         for (int64_t i = 0; i < m; ++i) {
           set_scaled(a, H[i * m], gs, d);
-          for (int64_t j = 1; j < m; ++j) add_scaled(a, H[i * m + j], gs + j * d, d);
+          for (int64_t j = 1; j < m; ++j) axpy(a, H[i * m + j], gs + j * d, d);
           store(dxp + p * md + i * d, a, d);
         }
       }

@@ -46,37 +46,16 @@
 #include <limits>
 #include <vector>
 
+#include "depthkit/ops/cpu/kernel_math.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
 
 namespace {
 
-// The hot loops below are compiled twice, for x86-64-v3 (AVX2 + FMA) and for the baseline, and
-// the loader picks one for the CPU it runs on (GCC function multi-versioning).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DK_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define DK_SIMD_CLONES
-#endif
-
-at::ScalarType acc_type_of(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
-// A grain that gives each task a few thousand multiply-adds.
-int64_t grain(int64_t work_per_token) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, work_per_token)); }
-
-// The compiler may reorder these sums into SIMD lanes (-fopenmp-simd; no OpenMP runtime involved).
-template <class acc_t, class a_t, class b_t>
-DK_SIMD_CLONES acc_t dot(const a_t* a, const b_t* b, int64_t d) {
-  acc_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
-  return s;
-}
-
 // (Σ v², Σ q v) in one pass.
 template <class acc_t>
-DK_SIMD_CLONES std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
+std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
   acc_t ss = 0, qv = 0;
 #pragma omp simd reduction(+ : ss, qv)
   for (int64_t i = 0; i < d; ++i) {
@@ -86,18 +65,11 @@ DK_SIMD_CLONES std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_
   return {ss, qv};
 }
 
-// y += a·x.
-template <class acc_t, class x_t>
-DK_SIMD_CLONES void axpy(acc_t* y, acc_t a, const x_t* x, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * acc_t(x[i]);
-}
-
 // Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
 // δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
 // nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
 template <class acc_t, class scalar_t>
-DK_SIMD_CLONES void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
+void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
@@ -117,7 +89,7 @@ DK_SIMD_CLONES void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int
 // nothing to add for zero taps δ ≥ used) and ∂c_δ += ∂v ⊙ x_{t−δ} for every δ < K (into gc [K, d],
 // a per-thread partial sum: zero taps have gradients too).
 template <class acc_t, class scalar_t>
-DK_SIMD_CLONES void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
+void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
                      int64_t K, int64_t t, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
