@@ -94,4 +94,18 @@ PY
 done
 
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --steps 3 --warmup 1 --json | json '["tokens_per_s"]' >/dev/null
+# Interleaved kinds: one result per kind, overheads against the first.
+"$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar,msar --steps 2 --warmup 0 --json \
+  | python3 -c "import json,sys; r=json.load(sys.stdin)['runs']; assert [x['kind'] for x in r]==['residual','dar','msar'] and r[0]['overhead']==0, r" \
+  || fail "bench --kinds"
+# Every fused operator timed against its reference.
+"$DK" bench --ops tiny --steps 1 --json \
+  | python3 -c "import json,sys; r=json.load(sys.stdin); assert len(r['ops'])>=7 and all(o['fused_ms']>0 for o in r['ops']) and r['bandwidth'][0]['copy_gbs']>0, r" \
+  || fail "bench --ops"
+
+# The fused operators follow the reference compositions through training, for every kind
+# (bench/parity: losses step by step, within its float32 tolerance; a wrong gradient moves
+# them by ~1e-2).
+python3 "$SRC/bench/parity" --depthkit "$DK" --config "$SRC/configs/tiny.toml" --steps 8 \
+  "${SETS[@]}" --set train.eval_tokens=1024 >parity.txt || { cat parity.txt; fail "parity"; }
 echo "cli_end_to_end: 1 passed, 0 failed"

@@ -36,6 +36,10 @@ expect_error "syntax.toml:1"           -- params --config syntax.toml
 expect_error "'model.n_layers' must be in [1, 4096], got 0" -- params --config "$SRC/configs/tiny.toml" --set model.n_layers=0
 expect_error "unknown key 'model.bogus'" -- bench --config "$SRC/configs/tiny.toml" --set model.bogus=1
 expect_error "--steps"                 -- bench --config "$SRC/configs/tiny.toml" --steps 0
+expect_error "'residual.kind'"         -- bench --config "$SRC/configs/tiny.toml" --kinds residual,bogus
+expect_error "--kinds: empty kind"     -- bench --config "$SRC/configs/tiny.toml" --kinds residual,,dar
+expect_error "tiny, 0.1b or all"       -- bench --ops huge
+expect_error "--config is required"    -- bench --steps 2
 expect_error "/nonexistent/input"      -- data prepare --input /nonexistent/input --out prepared
 [ -e prepared ] && { echo "FAIL: data prepare left 'prepared' behind"; failures=$((failures + 1)); }
 expect_error "--out"                   -- data prepare --input "$SRC/README.md"
