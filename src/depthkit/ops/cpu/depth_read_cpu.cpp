@@ -4,9 +4,10 @@
 // out [M, P, d]; ζ [M, P]. Parallel over tokens p; loops over d are plain and auto-vectorised;
 // accumulation in float32 (float64 for float64 inputs); bfloat16 storage is accepted.
 //
-// Forward, per token p: s_r = 1/√(mean_d k_r² + ε) once for all M targets; per target m an
-// online softmax over r: a_r = s_r (q_m · k_r), running max, shifted sum Z and numerator U;
-// out = U / Z, ζ = max + log Z. Nothing else is stored.
+// Forward, per token p: s_r = 1/√(mean_d k_r² + ε) once for all M targets (in the same pass as
+// q_0 · k_r); the logits a_r = s_r (q_m · k_r); their max, Z = Σ_r exp(a_r − max) and
+// U = Σ_r exp(a_r − max) v_r; out = U / Z, ζ = max + log Z. Nothing else is stored. (The running
+// rescale of the online softmax, A.2, is not needed within a token: its N logits are at hand.)
 //
 // Backward recomputes s_r and a_r from the raw keys and takes w_r = exp(a_r − ζ):
 //   g·out = Σ_r w_r (g·v_r),  ∂a_r = w_r (g·v_r − g·out) + ḡ_ζ w_r,
@@ -19,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -56,28 +58,31 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     acc_t* lp = lse.mutable_data_ptr<acc_t>();
     at::parallel_for(0, P, grain(N * d * (M + 1)), [&](int64_t p0, int64_t p1) {
-      std::vector<acc_t> s(N), acc(d);
+      std::vector<acc_t> a(M * N), acc(d);
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t r = 0; r < N; ++r) s[r] = inv_rms<acc_t>(kp + (r * P + p) * d, d, eps);
+        // Logits a[m, r] = s_r (q_m · K_r) (A.1): the key's norm and the first dot in one pass.
+        for (int64_t r = 0; r < N; ++r) {
+          const scalar_t* kr = kp + (r * P + p) * d;
+          const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
+          const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          a[r] = s * qk;
+          for (int64_t m = 1; m < M; ++m) a[m * N + r] = s * dot<acc_t>(qp + m * d, kr, d);
+        }
+        // With a token's N logits at hand the softmax needs no running rescale: the online form
+        // (A.2–A.4) reduces to one max, then one weighted pass over the values.
         for (int64_t m = 0; m < M; ++m) {
-          acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+          const acc_t* am = a.data() + m * N;
+          const acc_t mx = *std::max_element(am, am + N);
+          acc_t Z = 0;
           std::fill(acc.begin(), acc.end(), acc_t(0));
           for (int64_t r = 0; r < N; ++r) {
-            const scalar_t* kr = kp + (r * P + p) * d;
-            const scalar_t* vr = vp + (r * P + p) * d;
-            const acc_t a = s[r] * dot<acc_t>(qp + m * d, kr, d);  // (A.1)
-            if (a > mx) {                                         // (A.2): rescale what is summed
-              const acc_t rescale = std::exp(mx - a);
-              Z *= rescale;
-              scale(acc.data(), rescale, d);
-              mx = a;
-            }
-            const acc_t w = std::exp(a - mx);
-            Z += w;                        // (A.3)
-            axpy(acc.data(), w, vr, d);    // (A.4)
+            const acc_t w = std::exp(am[r] - mx);
+            Z += w;                                           // (A.3)
+            axpy(acc.data(), w, vp + (r * P + p) * d, d);    // (A.4)
           }
           scalar_t* o = op + (m * P + p) * d;
-          for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(acc[i] / Z);  // (A.5)
+          const acc_t inv_Z = acc_t(1) / Z;
+          for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(acc[i] * inv_Z);  // (A.5)
           lp[m * P + p] = mx + std::log(Z);
         }
       }
@@ -115,8 +120,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
       acc_t* gq = gq_all + int64_t(at::get_thread_num()) * M * d;
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t r = 0; r < N; ++r) {
-          s[r] = inv_rms<acc_t>(kp + (r * P + p) * d, d, eps);
+        for (int64_t r = 0; r < N; ++r) {  // the key's norm and q_0 · K_r in one pass
+          const auto [kk, qk0] = square_and_dot<acc_t>(kp + (r * P + p) * d, qp, d);
+          s[r] = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          qk[r] = qk0;
           std::fill_n(gkp + (r * P + p) * d, d, acc_t(0));
           if (!shared) std::fill_n(gvp + (r * P + p) * d, d, acc_t(0));
         }
@@ -125,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
           const scalar_t* g = gop + (m * P + p) * d;
           acc_t g_out = 0;  // g · out = Σ_r w_r (g · v_r)
           for (int64_t r = 0; r < N; ++r) {
-            qk[r] = dot<acc_t>(qm, kp + (r * P + p) * d, d);
+            if (m > 0) qk[r] = dot<acc_t>(qm, kp + (r * P + p) * d, d);
             w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
             gdotv[r] = dot<acc_t>(g, vp + (r * P + p) * d, d);
             g_out += w[r] * gdotv[r];

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace depthkit::cpu {
 
@@ -22,6 +23,19 @@ inline acc_t dot(const A* a, const B* b, int64_t d) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < d; ++i) s += acc_t(a[i]) * acc_t(b[i]);
   return s;
+}
+
+// (x · x, q · x) in one pass: two independent sums, and x is read once.
+template <class acc_t, class X, class Q>
+inline std::pair<acc_t, acc_t> square_and_dot(const X* x, const Q* q, int64_t d) {
+  acc_t xx = 0, qx = 0;
+#pragma omp simd reduction(+ : xx, qx)
+  for (int64_t i = 0; i < d; ++i) {
+    const acc_t xi = acc_t(x[i]);
+    xx += xi * xi;
+    qx += acc_t(q[i]) * xi;
+  }
+  return {xx, qx};
 }
 
 // 1 / √(mean_d x² + ε): the weightless RMSNorm's scale (Norm_h, DAR eq. 2).
