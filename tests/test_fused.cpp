@@ -11,19 +11,11 @@
 #include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
 #include "helpers.h"
+#include "op_checks.h"
 
 namespace depthkit::test {
 
 namespace {
-
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
-  const double scale = std::max(1.0, b.abs().max().item<double>());
-  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  if (err <= rtol * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
-}
 
 struct Shape {
   int64_t M, N, P, d;
@@ -147,22 +139,7 @@ TEST(FusedDepthRead, GradcheckFloat64) {
     return (h * w).sum() + (out[0] * w).sum() + lse.sum() + (shared_h * w).sum() + (shared_out[1] * w).sum() +
            shared_lse.sum();
   };
-  std::vector<at::Tensor> leaves;
-  for (auto& t : inputs) leaves.push_back(t.clone().requires_grad_());
-  f(leaves).backward();
-  const double h = 1e-6;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    at::Tensor numeric = at::zeros_like(inputs[i]);
-    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
-      auto plus = inputs, minus = inputs;
-      plus[i] = inputs[i].clone();
-      minus[i] = inputs[i].clone();
-      plus[i].view(-1)[j] += h;
-      minus[i].view(-1)[j] -= h;
-      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
-    }
-    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
-  }
+  gradcheck(f, inputs);
 }
 
 TEST(FusedDepthRead, BFloat16WithinItsPrecision) {

@@ -18,20 +18,11 @@
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/depth_attention.h"
 #include "helpers.h"
+#include "op_checks.h"
 
 namespace depthkit::test {
 
 namespace {
-
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
-  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": gradient missing";
-  const double scale = std::max(1.0, b.abs().max().item<double>());
-  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  if (err <= rtol * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
-}
 
 // Inputs of one read: q, h0, h1, [p0, p1], w_α, b_α, w_β, b_β.
 struct ReadInputs {
@@ -71,7 +62,7 @@ std::pair<at::Tensor, at::Tensor> reference_read(const std::vector<at::Tensor>& 
   return {r.h, r.beta};
 }
 
-using Fn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+using Fn = ScalarFn;
 
 // Runs `fused` and `reference` (scalar losses of the same inputs) and compares value and gradients.
 void compare(const std::vector<at::Tensor>& inputs, const Fn& fused_loss, const Fn& reference_loss, double rtol) {
@@ -139,27 +130,6 @@ at::Tensor reference_write_loss(const std::vector<at::Tensor>& t) {
   return weighted(p0, 3) + weighted(p1, 4);
 }
 
-// Central differences of a scalar function of `inputs` against its autograd gradient.
-void gradcheck(const std::vector<at::Tensor>& inputs, const Fn& f) {
-  std::vector<at::Tensor> leaves;
-  for (const auto& x : inputs) leaves.push_back(x.clone().requires_grad_());
-  f(leaves).backward();
-  const double h = 1e-6;
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    at::Tensor numeric = at::zeros_like(inputs[i]);
-    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
-      auto plus = inputs, minus = inputs;
-      plus[i] = inputs[i].clone();
-      minus[i] = inputs[i].clone();
-      plus[i].view(-1)[j] += h;
-      minus[i].view(-1)[j] -= h;
-      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
-    }
-    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
-  }
-}
-
 }  // namespace
 
 TEST(FusedDar, ReadEqualsReference) {
@@ -182,11 +152,13 @@ TEST(FusedDar, WriteEqualsReference) {
 TEST(FusedDar, GradcheckFloat64) {
   for (bool partial : {false, true}) {
     ReadInputs in = random_read(3, 4, 5, partial, at::kDouble, 7);
-    gradcheck(in.t, [&](const std::vector<at::Tensor>& t) {
-      auto [h, beta] = fused_read(t, partial, {1, 0}, {0, 1});
-      return weighted(h, 5) + weighted(beta, 6);
-    });
-    gradcheck(random_write(4, 5, partial, at::kDouble, 8), fused_write_loss);
+    gradcheck(
+        [&](const std::vector<at::Tensor>& t) {
+          auto [h, beta] = fused_read(t, partial, {1, 0}, {0, 1});
+          return weighted(h, 5) + weighted(beta, 6);
+        },
+        in.t);
+    gradcheck(fused_write_loss, random_write(4, 5, partial, at::kDouble, 8));
   }
 }
 

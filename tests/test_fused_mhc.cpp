@@ -26,21 +26,11 @@
 #include "depthkit/ops/mhc_ops.h"
 #include "depthkit/pathways/mhc.h"
 #include "helpers.h"
+#include "op_checks.h"
 
 namespace depthkit::test {
 
 namespace {
-
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
-  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": undefined tensor";
-  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape " << a.sizes() << " vs " << b.sizes();
-  const double scale = std::max(1.0, b.abs().max().item<double>());
-  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  if (err <= rtol * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
-}
 
 struct Shape {
   int64_t m, B, T, d;
@@ -118,27 +108,6 @@ void compare_merge(const Shape& s, at::ScalarType dtype, double rtol) {
   (ref * w).sum().backward();
   const char* names[] = {"d x", "d f", "d H_post", "d H_res"};
   for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(in[i].grad(), ref_in[i].grad(), rtol, names[i]));
-}
-
-// Central finite differences in float64 of a scalar function against its backward (gradcheck).
-void gradcheck(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& f, const std::vector<at::Tensor>& inputs) {
-  std::vector<at::Tensor> leaves;
-  for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_());
-  f(leaves).backward();
-  const double h = 1e-6;
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    at::Tensor numeric = at::zeros_like(inputs[i]);
-    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
-      auto plus = inputs, minus = inputs;
-      plus[i] = inputs[i].clone();
-      minus[i] = inputs[i].clone();
-      plus[i].view(-1)[j] += h;
-      minus[i].view(-1)[j] -= h;
-      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * h);
-    }
-    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
-  }
 }
 
 }  // namespace

@@ -37,22 +37,11 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/pathways/pathway.h"
 #include "helpers.h"
+#include "op_checks.h"
 
 namespace depthkit::test {
 
 namespace {
-
-at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
-
-::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b, double rtol, const std::string& what) {
-  if (a.defined() && a.numel() == 0 && (!b.defined() || b.numel() == 0)) return ::testing::AssertionSuccess();  // m = 1
-  if (!a.defined() || !b.defined()) return ::testing::AssertionFailure() << what << ": undefined tensor";
-  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape " << a.sizes() << " vs " << b.sizes();
-  const double scale = std::max(1.0, b.abs().max().item<double>());
-  const double err = (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-  if (err <= rtol * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
-}
 
 // ---- Reference composition -------------------------------------------------------------------
 
@@ -220,23 +209,7 @@ TEST(FusedMsar, GradcheckFloat64) {
     at::Tensor h = fused::msar_fuse(out, lse, in[0], in[3], in[4], in[5], in[6], in[7], kKeyNormEps);
     return (h * w).sum() + (out * w2).sum() + lse.sum();
   };
-  std::vector<at::Tensor> leaves;
-  for (auto& t : inputs) leaves.push_back(t.clone().requires_grad_());
-  f(leaves).backward();
-  const double step = 1e-6;
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    at::Tensor numeric = at::zeros_like(inputs[i]);
-    for (int64_t j = 0; j < inputs[i].numel(); ++j) {
-      auto plus = inputs, minus = inputs;
-      plus[i] = inputs[i].clone();
-      minus[i] = inputs[i].clone();
-      plus[i].view(-1)[j] += step;
-      minus[i].view(-1)[j] -= step;
-      numeric.view(-1)[j] = (f(plus).item<double>() - f(minus).item<double>()) / (2 * step);
-    }
-    EXPECT_TRUE(near(leaves[i].grad(), numeric, 1e-7, cat("input ", i)));
-  }
+  gradcheck(f, inputs);
 }
 
 TEST(FusedMsar, BFloat16WithinItsPrecision) {

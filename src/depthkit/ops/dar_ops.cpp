@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "depthkit/ops/cpu/dar_cpu.h"
+#include "depthkit/ops/registration.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
@@ -22,7 +23,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<at::Tensor>;
 
 using ReadSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
@@ -37,13 +37,6 @@ using WriteBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&,
                                              const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                                              double);
 
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-at::Tensor unwrap(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
-OptTensor wrap(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 cpu::DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
   if (key.size() != 2 || value.size() != 2) fail("dar_read: key_stream and value_stream must name 2 streams each");

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "depthkit/ops/cpu/mhc_cpu.h"
+#include "depthkit/ops/registration.h"
 
 namespace depthkit {
 
@@ -41,12 +42,7 @@ using SinkBackSig = T(const T&, const T&, int64_t);
 using MergeSig = T(const T&, const T&, const T&, const T&);
 using MergeBackSig = std::tuple<T, T, T, T>(const T&, const T&, const T&, const T&, const T&);
 
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-T value_or_undefined(const std::optional<T>& t) { return t.has_value() ? *t : T(); }
+T unwrap(const std::optional<T>& t) { return t.has_value() ? *t : T(); }
 
 class MhcPreFunction : public torch::autograd::Function<MhcPreFunction> {
  public:
@@ -113,7 +109,7 @@ T mhc_merge_autograd(const T& x, const T& f, const T& h_post, const T& h_res) {
 std::tuple<T, T, T, T> mhc_pre_backward_cpu(const std::optional<T>& grad_h, const std::optional<T>& grad_post,
                                             const std::optional<T>& grad_res, const T& x, const T& phi, const T& bias,
                                             const T& scale, const T& proj, double eps) {
-  return cpu::mhc_pre_backward(value_or_undefined(grad_h), value_or_undefined(grad_post), value_or_undefined(grad_res),
+  return cpu::mhc_pre_backward(unwrap(grad_h), unwrap(grad_post), unwrap(grad_res),
                                x, phi, bias, scale, proj, eps);
 }
 

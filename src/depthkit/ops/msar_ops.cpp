@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "depthkit/ops/cpu/msar_cpu.h"
+#include "depthkit/ops/registration.h"
 
 namespace depthkit {
 
@@ -24,25 +25,17 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptT = std::optional<at::Tensor>;
 
 using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
-using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptT&, const OptT&, const at::Tensor&,
+using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&,
                                                                    const at::Tensor&, double);
-using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const OptT&,
-                           const OptT&, const OptT&, const OptT&, double);
+using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                           const OptTensor&, const OptTensor&, const OptTensor&, double);
 using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptT&, const OptT&, const OptT&, const OptT&, const OptT&, double);
+                                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, double);
 
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-at::Tensor value_or_undefined(const OptT& t) { return t.has_value() ? *t : at::Tensor(); }
-OptT optional_of(const at::Tensor& t) { return t.defined() ? OptT(t) : std::nullopt; }
 
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
  public:
@@ -58,7 +51,7 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
     auto s = ctx->get_saved_variables();
-    auto [gq, gx, gc] = back.call(optional_of(grads[0]), optional_of(grads[1]), s[0], s[1], s[2], s[3],
+    auto [gq, gx, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], s[2], s[3],
                                   ctx->saved_data["eps"].toDouble());
     return {gq, gx, gc, at::Tensor()};
   }
@@ -67,12 +60,12 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
 class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                               const OptT& part, const OptT& pconv, const OptT& w, const OptT& b, const OptT& a,
+                               const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a,
                                double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fuse = op<FuseSig>("depthkit::msar_fuse");
-    ctx->save_for_backward({out, lse, q, value_or_undefined(part), value_or_undefined(pconv), value_or_undefined(w),
-                            value_or_undefined(b), value_or_undefined(a)});
+    ctx->save_for_backward({out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
+                            unwrap(b), unwrap(a)});
     ctx->saved_data["eps"] = eps;
     return {fuse.call(out, lse, q, part, pconv, w, b, a, eps)};
   }
@@ -80,8 +73,8 @@ class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
     static auto back = op<FuseBackSig>("depthkit::msar_fuse_backward");
     auto s = ctx->get_saved_variables();
     auto [go, gl, gq, gp, gc, gw, gb, ga] =
-        back.call(grads[0], s[0], s[1], s[2], optional_of(s[3]), optional_of(s[4]), optional_of(s[5]),
-                  optional_of(s[6]), optional_of(s[7]), ctx->saved_data["eps"].toDouble());
+        back.call(grads[0], s[0], s[1], s[2], wrap(s[3]), wrap(s[4]), wrap(s[5]),
+                  wrap(s[6]), wrap(s[7]), ctx->saved_data["eps"].toDouble());
     return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor()};
   }
 };
@@ -92,29 +85,29 @@ std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, const
   return {r[0], r[1]};
 }
 
-at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptT& part,
-                              const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
+at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
+                              const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
   return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward_cpu(const OptT& grad_out, const OptT& grad_lse,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward_cpu(const OptTensor& grad_out, const OptTensor& grad_lse,
                                                                       const at::Tensor& q, const at::Tensor& x,
                                                                       const at::Tensor& c, const at::Tensor& lse,
                                                                       double eps) {
-  return cpu::msar_read_backward(value_or_undefined(grad_out), value_or_undefined(grad_lse), q, x, c, lse, eps);
+  return cpu::msar_read_backward(unwrap(grad_out), unwrap(grad_lse), q, x, c, lse, eps);
 }
 
-at::Tensor msar_fuse_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptT& part,
-                         const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
-  return cpu::msar_fuse_forward(out, lse, q, value_or_undefined(part), value_or_undefined(pconv), value_or_undefined(w),
-                                value_or_undefined(b), value_or_undefined(a), eps);
+at::Tensor msar_fuse_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
+                         const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
+  return cpu::msar_fuse_forward(out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
+                                unwrap(b), unwrap(a), eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                       const OptT& part, const OptT& pconv, const OptT& w, const OptT& b, const OptT& a, double eps) {
-  return cpu::msar_fuse_backward(grad, out, lse, q, value_or_undefined(part), value_or_undefined(pconv),
-                                 value_or_undefined(w), value_or_undefined(b), value_or_undefined(a), eps);
+                       const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
+  return cpu::msar_fuse_backward(grad, out, lse, q, unwrap(part), unwrap(pconv),
+                                 unwrap(w), unwrap(b), unwrap(a), eps);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 
 #include "depthkit/ops/cpu/depth_read_cpu.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/registration.h"
 
 namespace depthkit {
 
@@ -21,7 +22,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using OptTensor = std::optional<at::Tensor>;
 using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, double);
 using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
                                                                    const at::Tensor&, const OptTensor&, const at::Tensor&,
@@ -32,13 +32,6 @@ using MergeBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
     double);
 
-template <class Sig>
-c10::TypedOperatorHandle<Sig> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
-OptTensor wrap(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
  public:
@@ -48,7 +41,7 @@ class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
     static auto read = op<ReadSig>("depthkit::depth_read");
     auto [out, lse] = read.call(q, k, v, eps);
     // Only the inputs and the log-partition are kept: normalised keys and weights are recomputed.
-    ctx->save_for_backward({q, k, value_or_undefined(v), lse});
+    ctx->save_for_backward({q, k, unwrap(v), lse});
     ctx->saved_data["eps"] = eps;
     return {out, lse};
   }
@@ -67,7 +60,7 @@ class DepthMergeFunction : public torch::autograd::Function<DepthMergeFunction> 
                                const at::Tensor& k, const OptTensor& v, double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto merge = op<MergeSig>("depthkit::depth_merge");
-    ctx->save_for_backward({out, lse, q, k, value_or_undefined(v)});
+    ctx->save_for_backward({out, lse, q, k, unwrap(v)});
     ctx->saved_data["eps"] = eps;
     return {merge.call(out, lse, q, k, v, eps)};
   }
@@ -92,26 +85,26 @@ at::Tensor depth_merge_autograd(const at::Tensor& out, const at::Tensor& lse, co
 
 std::tuple<at::Tensor, at::Tensor> depth_read_cpu(const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
                                                   double eps) {
-  return cpu::depth_read_forward(q, k, value_or_undefined(v), eps);
+  return cpu::depth_read_forward(q, k, unwrap(v), eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cpu(const OptTensor& grad_out,
                                                                        const OptTensor& grad_lse, const at::Tensor& q,
                                                                        const at::Tensor& k, const OptTensor& v,
                                                                        const at::Tensor& lse, double eps) {
-  return cpu::depth_read_backward(value_or_undefined(grad_out), value_or_undefined(grad_lse), q, k,
-                                  value_or_undefined(v), lse, eps);
+  return cpu::depth_read_backward(unwrap(grad_out), unwrap(grad_lse), q, k,
+                                  unwrap(v), lse, eps);
 }
 
 at::Tensor depth_merge_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
                            const OptTensor& v, double eps) {
-  return cpu::depth_merge_forward(out, lse, q, k, value_or_undefined(v), eps);
+  return cpu::depth_merge_forward(out, lse, q, k, unwrap(v), eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward_cpu(
     const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
     const OptTensor& v, double eps) {
-  return cpu::depth_merge_backward(grad, out, lse, q, k, value_or_undefined(v), eps);
+  return cpu::depth_merge_backward(grad, out, lse, q, k, unwrap(v), eps);
 }
 
 }  // namespace
