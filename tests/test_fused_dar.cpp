@@ -3,17 +3,8 @@
 // every gradient in float64 (1e-10) and float32 (1e-5), every routing, with and without the
 // partial; a finite-difference gradient check in float64. The whole pathway is compared with the
 // equations in test_pathways.cpp (Dar.EqualsTheEquations runs both implementations).
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/grad_mode.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
-#include <ATen/ops/sigmoid.h>
-#include <ATen/ops/stack.h>
-#include <ATen/ops/zeros_like.h>
-
-#include <functional>
 
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/depth_attention.h"

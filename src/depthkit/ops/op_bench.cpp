@@ -5,7 +5,6 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
-#include <ATen/ops/stack.h>
 
 #include <algorithm>
 #include <chrono>
