@@ -236,7 +236,7 @@ std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::T
             axpy(grad_at(vs, c, p), w, gzj, d);
             axpy(gq + j * d, da * sc, kc, d);
             acc_t* gk = grad_at(ks, c, p);
-            const acc_t c_k = da * sc * sc * sc * (a[j * C + c] / sc) / acc_t(d);  // a/s = q·K
+            const acc_t c_k = da * sc * sc * a[j * C + c] / acc_t(d);  // s³ (q·K) = s² a
             axpy2(gk, da * sc, qj, -c_k, kc, d);
           }
         }

@@ -193,6 +193,31 @@ FuseArgs check_fuse(const at::Tensor& out, const at::Tensor& lse, const at::Tens
   return a;
 }
 
+// The optional inputs of msar_fuse and its backward, contiguous and in the types the kernels read:
+// the partial (storage type) with its taps [K, d] per stream and their used lengths; W_pre, b_pre
+// (accumulation type) and α_pre.
+struct FuseInputs {
+  at::Tensor x, c, W, bias;
+  std::vector<int64_t> used;
+  double alpha = 0.0;
+};
+FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType acc, const at::Tensor& partial,
+                       const at::Tensor& partial_conv, const at::Tensor& w_pre, const at::Tensor& b_pre,
+                       const at::Tensor& alpha_pre) {
+  FuseInputs in;
+  if (A.partial) {
+    in.x = partial.to(storage).contiguous();
+    in.c = taps_kd(partial_conv, acc);
+    in.used = taps_used(in.c);
+  }
+  if (A.hpre) {
+    in.W = w_pre.to(acc).contiguous();
+    in.bias = b_pre.to(acc).contiguous();
+    in.alpha = alpha_pre.item<double>();
+  }
+  return in;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
@@ -332,12 +357,10 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
-  const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
-  const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
-  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
-  const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
-  const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
-  const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
+  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
+  const std::vector<int64_t>& used = in.used;
+  const double alpha = in.alpha;
   at::Tensor h = at::empty({B, T, d}, o.options());
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
@@ -398,12 +421,10 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const auto acc_opts = out_.options().dtype(acc_type);
   const at::Tensor g = grad_.defined() ? grad_.to(out_.scalar_type()).contiguous() : at::zeros({B, T, d}, out_.options());
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
-  const at::Tensor x = A.partial ? partial.to(out_.scalar_type()).contiguous() : at::Tensor();
-  const at::Tensor c = A.partial ? taps_kd(partial_conv, acc_type) : at::Tensor();
-  const std::vector<int64_t> used = A.partial ? taps_used(c) : std::vector<int64_t>();
-  const at::Tensor W = A.hpre ? w_pre.to(acc_type).contiguous() : at::Tensor();
-  const at::Tensor bias = A.hpre ? b_pre.to(acc_type).contiguous() : at::Tensor();
-  const double alpha = A.hpre ? alpha_pre.item<double>() : 0.0;
+  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
+  const std::vector<int64_t>& used = in.used;
+  const double alpha = in.alpha;
   at::Tensor gout = at::empty({m, B, T, d}, acc_opts), glse = at::empty({m, B, T}, acc_opts);
   at::Tensor gx = A.partial ? at::zeros({B, T, d}, acc_opts) : at::Tensor();
   const int threads = at::get_num_threads();
