@@ -65,5 +65,24 @@ expect_error "nothere: not a checkpoint" -- forward --checkpoint nothere --token
 expect_error "ck: already exists"      -- init --config "$SRC/configs/tiny.toml" --out ck
 expect_error "collinear"               -- init --config "$SRC/configs/tiny.toml" --set residual.kind=dar --set residual.block_sublayers=1 --out ck2
 
+# compare, analyze, scaling, cost.
+printf 'base = "%s/configs/tiny.toml"\nsedes = [1]\n[[run]]\nkind = "dar"\n' "$SRC" >spec_key.toml
+printf 'base = "%s/configs/tiny.toml"\n[[run]]\nkind = "dar"\nset = ["train.steps=5"]\n' "$SRC" >spec_budget.toml
+printf 'base = "%s/configs/tiny.toml"\n[[run]]\nkind = "dar"\nset = ["residual.block_sublayers=1"]\n' "$SRC" >spec_bad.toml
+printf 'base = "nowhere.toml"\n[[run]]\nkind = "dar"\n' >spec_base.toml
+printf 'base = "%s/configs/tiny.toml"\n[[run]]\nkind = "dar"\n[[run]]\nkind = "dar"\n' "$SRC" >spec_twice.toml
+expect_error "missing.toml: not found" -- compare --spec missing.toml --out c1
+expect_error "spec_key.toml: unknown key 'sedes'" -- compare --spec spec_key.toml --out c1
+expect_error "override 'train.steps=5': a run may set residual.* and model.* keys only" -- compare --spec spec_budget.toml --out c1
+expect_error "run 'dar'"               -- compare --spec spec_bad.toml --out c1
+expect_error "config file 'nowhere.toml' not found" -- compare --spec spec_base.toml --out c1
+expect_error "name 'dar' is used twice" -- compare --spec spec_twice.toml --out c1
+[ -e c1 ] && { echo "FAIL: compare with a bad spec left c1 behind"; failures=$((failures + 1)); }
+expect_error "nowhere: run has no checkpoint" -- analyze --run-dir nowhere
+printf 'method,compute,loss\nresidual,1e18,3\nresidual,1e19,0.5\n' >below.csv
+expect_error "loss 0.5 is not above the irreducible loss 0.72" -- scaling --runs below.csv
+expect_error "missing.csv: not found"  -- scaling --runs missing.csv
+expect_error "unknown key 'residual.bogus'" -- cost --config "$SRC/configs/tiny.toml" --set residual.bogus=1
+
 echo "cli_errors: $((checks - failures)) passed, $failures failed"
 [ $failures -eq 0 ]

@@ -20,7 +20,6 @@
 #include <ATen/ops/tanh.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
-#include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,14 +27,13 @@
 #include <cstdio>
 #include <functional>
 #include <map>
-#include <mutex>
-#include <unordered_map>
 #include <optional>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/pathways/pathway.h"
+#include "depthkit/util/memory.h"
 #include "helpers.h"
 #include "op_checks.h"
 
@@ -243,76 +241,6 @@ TEST(FusedMsar, BadShapesAreClearErrors) {
 
 namespace {
 
-// Counts the bytes of live CPU tensor storage (current and peak) while installed as the CPU
-// allocator; every allocation goes to the allocator it replaced. The data pointer is its own
-// context (some kernels, e.g. oneDNN's, require that), and a side table keeps the real one.
-class CountingAllocator final : public at::Allocator {
- public:
-  void install() {
-    base_ = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(this, /*priority=*/100);
-  }
-  void uninstall() { c10::SetCPUAllocator(base_, /*priority=*/100); }
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peak_ = current_;
-  }
-  int64_t current() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return current_;
-  }
-  int64_t peak() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
-
-  at::DataPtr allocate(size_t n) override {
-    at::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    std::lock_guard<std::mutex> lock(mutex_);
-    current_ += int64_t(n);
-    peak_ = std::max(peak_, current_);
-    if (data != nullptr) live_.emplace(data, Live{std::move(inner), int64_t(n)});
-    return {data, data, &release, at::Device(at::kCPU)};
-  }
-  at::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-
- private:
-  struct Live {
-    at::DataPtr inner;
-    int64_t bytes;
-  };
-  static void release(void* data);
-  at::Allocator* base_ = nullptr;
-  std::mutex mutex_;
-  int64_t current_ = 0, peak_ = 0;
-  std::unordered_map<void*, Live> live_;
-  friend CountingAllocator& counting_allocator();
-};
-
-CountingAllocator& counting_allocator() {
-  static CountingAllocator* a = new CountingAllocator();  // outlives every tensor it allocated
-  return *a;
-}
-
-void CountingAllocator::release(void* data) {
-  CountingAllocator& a = counting_allocator();
-  at::DataPtr inner;  // freed after the lock is released
-  std::lock_guard<std::mutex> lock(a.mutex_);
-  auto it = a.live_.find(data);
-  if (it == a.live_.end()) return;
-  a.current_ -= it->second.bytes;
-  inner = std::move(it->second.inner);
-  a.live_.erase(it);
-}
-
-// Installs the counting allocator for a scope.
-struct Counting {
-  Counting() { counting_allocator().install(); }
-  ~Counting() { counting_allocator().uninstall(); }
-};
-
 struct MemoryUse {
   int64_t forward_peak, kept, backward_peak;  // bytes beyond the inputs (and the incoming gradient)
 };
@@ -326,12 +254,12 @@ MemoryUse measure(bool fused_impl, int64_t m, int64_t N, int64_t B, int64_t T, i
                                 at::randn({m}, g),             at::randn({1}, g)};
   for (auto& t : in) t.requires_grad_();
   at::Tensor w = at::randn({B, T, d}, g);
-  CountingAllocator& A = counting_allocator();
+  using A = TensorMemory;  // counts CPU tensor storage (src/depthkit/util/memory.h)
+  A::install();
   MemoryUse use{};
   {
-    Counting counting;
-    const int64_t base = A.current();
-    A.reset_peak();
+    const int64_t base = A::current_bytes();
+    A::reset_peak();
     at::Tensor h;
     if (fused_impl) {
       auto [out, lse] = fused::msar_read(in[0], in[1], in[2], kKeyNormEps);
@@ -341,11 +269,11 @@ MemoryUse measure(bool fused_impl, int64_t m, int64_t N, int64_t B, int64_t T, i
       h = fuse_ref(out, lse, in[0], in[3], in[4], in[5], in[6], in[7]);
     }
     at::Tensor loss = (h * w).sum();
-    use.forward_peak = A.peak() - base;
-    use.kept = A.current() - base;
-    A.reset_peak();
+    use.forward_peak = A::peak_bytes() - base;
+    use.kept = A::current_bytes() - base;
+    A::reset_peak();
     loss.backward();
-    use.backward_peak = A.peak() - base;
+    use.backward_peak = A::peak_bytes() - base;
   }
   return use;
 }

@@ -87,23 +87,25 @@ void add_bench(CLI::App& app, Action& action) {
                           {"tokens_per_step", r.tokens_per_step},
                           {"overhead", r.median_step_s / base - 1.0},
                           {"peak_rss_bytes", r.peak_rss_bytes},
+                          {"peak_tensor_bytes", r.peak_tensor_bytes},
                           {"step_s", r.step_s}});
         std::printf("%s\n", (a->kinds.empty() ? runs[0] : nlohmann::json{{"runs", runs}}).dump().c_str());
         return 0;
       }
       if (a->kinds.empty()) {
         const BenchResult& r = results[0];
-        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak RSS %.1f MiB (%lld steps after %lld warm-up)\n",
-                    r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_rss_bytes) / (1 << 20),
-                    (long long)a->steps, (long long)a->warmup);
+        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak tensor memory %.1f MiB, peak RSS %.1f MiB "
+                    "(%lld steps after %lld warm-up)\n",
+                    r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
+                    double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps, (long long)a->warmup);
         return 0;
       }
-      std::printf("%-14s %12s %12s %10s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld)\n",
-                  "kind", "step ms", "tokens/s", "overhead", (long long)a->steps, (long long)a->warmup,
+      std::printf("%-14s %12s %12s %10s %12s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld)\n",
+                  "kind", "step ms", "tokens/s", "overhead", "tensor MiB", (long long)a->steps, (long long)a->warmup,
                   (long long)cfg.residual.block_sublayers);
       for (const auto& r : results)
-        std::printf("%-14s %12.2f %12.0f %9.1f%%\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
-                    100.0 * (r.median_step_s / base - 1.0));
+        std::printf("%-14s %12.2f %12.0f %9.1f%% %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
+                    100.0 * (r.median_step_s / base - 1.0), double(r.peak_tensor_bytes) / (1 << 20));
       return 0;
     };
   });

@@ -16,6 +16,10 @@ void add_bench(CLI::App& app, Action& action);
 void add_info(CLI::App& app, Action& action);
 void add_init(CLI::App& app, Action& action);
 void add_forward(CLI::App& app, Action& action);
+void add_compare(CLI::App& app, Action& action);
+void add_analyze(CLI::App& app, Action& action);
+void add_cost(CLI::App& app, Action& action);
+void add_scaling(CLI::App& app, Action& action);
 
 // --set section.key=value, repeatable.
 inline CLI::Option* add_set_option(CLI::App* cmd, std::vector<std::string>& sets) {

@@ -26,6 +26,10 @@ int main(int argc, char** argv) {
   depthkit::cli::add_info(app, action);
   depthkit::cli::add_init(app, action);
   depthkit::cli::add_forward(app, action);
+  depthkit::cli::add_compare(app, action);
+  depthkit::cli::add_analyze(app, action);
+  depthkit::cli::add_cost(app, action);
+  depthkit::cli::add_scaling(app, action);
   auto is_command = [&](const std::string& name) {
     for (const auto* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;

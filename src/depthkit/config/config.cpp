@@ -59,6 +59,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "steps", &t.steps, 0, kInf},
       {"train", "tokens", &t.tokens, 0, kInf},
       {"train", "seed", &t.seed, 0, kInf},
+      {"train", "data_seed", &t.data_seed, -1, kInf},
       {"train", "eval_every", &t.eval_every, 0, kInf},
       {"train", "eval_tokens", &t.eval_tokens, 1, kInf},
       {"train", "checkpoint_every", &t.checkpoint_every, 0, kInf},

@@ -47,7 +47,8 @@ struct TrainConfig {
   int64_t grad_accum = 1;
   int64_t steps = 0;   // optimizer steps; 0: derived from `tokens`
   int64_t tokens = 0;  // token budget; used when steps = 0
-  int64_t seed = 42;
+  int64_t seed = 42;       // initialisation (and the data order unless data_seed is set)
+  int64_t data_seed = -1;  // the data order; -1: train.seed (compare fixes it across seeds)
   int64_t eval_every = 100;
   int64_t eval_tokens = 262144;
   int64_t checkpoint_every = 200;

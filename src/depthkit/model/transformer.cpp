@@ -40,8 +40,11 @@ at::Tensor Transformer::logits(const at::Tensor& tokens) {
     auto h = path_->read(*state, l);
     path_->write(*state, l, branch(l, h));
   }
-  auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
-  return at::linear(hidden, lm_head_);
+  return head(path_->finish(*state));
+}
+
+at::Tensor Transformer::head(const at::Tensor& hidden) const {
+  return at::linear(rms_norm(hidden, final_norm_, cfg_.norm_eps), lm_head_);
 }
 
 at::Tensor Transformer::loss(const at::Tensor& batch) {

@@ -35,6 +35,7 @@ class Transformer {
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
   at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d]
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
+  at::Tensor head(const at::Tensor& hidden) const;           // final RMSNorm → LM head: [B, T, V]
 
  private:
   ModelConfig cfg_;

@@ -1,6 +1,7 @@
 #include "depthkit/ops/depth_attention.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/rsqrt.h>
@@ -25,6 +26,12 @@ at::Tensor merge_partial(const DepthRead& history, const at::Tensor& query, cons
   at::Tensor a_part = at::matmul(key_norm(key_part, eps), query);           // (A.8)
   at::Tensor lambda = at::sigmoid(history.log_partition - a_part).unsqueeze(-1);  // (A.9)
   return lambda * history.out + (1.0 - lambda) * value_part;                // (A.10)
+}
+
+at::Tensor depth_weights(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& key_part, double eps) {
+  at::Tensor all = key_part.defined() ? at::cat({keys, key_part.unsqueeze(0)}, 0) : keys;
+  at::Tensor logits = at::matmul(key_norm(all.detach(), eps), query.detach());  // [N, ...]
+  return at::softmax(logits, 0).movedim(0, -1);
 }
 
 }  // namespace depthkit

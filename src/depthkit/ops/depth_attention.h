@@ -31,4 +31,9 @@ DepthRead depth_read(const at::Tensor& query, const at::Tensor& keys, const at::
 at::Tensor merge_partial(const DepthRead& history, const at::Tensor& query, const at::Tensor& key_part,
                          const at::Tensor& value_part, double eps = kKeyNormEps);
 
+// The softmax weights of one read, for analysis: keys [N, ..., d], key_part [..., d] or undefined
+// → [..., N] (or [..., N + 1] with the partial's weight last). Detached; no gradient.
+at::Tensor depth_weights(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& key_part,
+                         double eps = kKeyNormEps);
+
 }  // namespace depthkit

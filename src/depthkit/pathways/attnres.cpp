@@ -2,6 +2,7 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
@@ -66,9 +67,14 @@ at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, co
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
-  if (first_in_block && s.completed.size() == 1) return s.values[0];  // one candidate: its weight is 1
+  if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
+    if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed[0].select(-1, 0)).unsqueeze(-1), false);
+    return s.values[0];
+  }
+  at::Tensor keys = at::stack(s.completed);
+  if (observer_) observer_->on_retrieval(l, 0, depth_weights(query_[l], keys, s.partial), s.partial.defined());
   const bool sepv = !value_maps_.empty();
-  at::Tensor keys = at::stack(s.completed), vals = sepv ? at::stack(s.values) : at::Tensor();
+  at::Tensor vals = sepv ? at::stack(s.values) : at::Tensor();
   if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
   // The partial is valued with the map of the source index it will take.
   return read_sources(query_[l], keys, vals, s.partial, sepv ? value(s.completed.size(), s.partial) : at::Tensor());
@@ -86,6 +92,7 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
+  if (observer_) observer_->on_retrieval(branches_ + 1, 0, depth_weights(out_query_, at::stack(s.completed), {}), false);
   return read_sources(out_query_, at::stack(s.completed), value_maps_.empty() ? at::Tensor() : at::stack(s.values), {}, {});
 }
 

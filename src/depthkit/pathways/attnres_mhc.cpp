@@ -40,4 +40,17 @@ at::Tensor AttnResMhc::finish(PathwayState& state) {
   return attnres_.finish(*both(state).attnres) + mhc_.finish(*both(state).mhc);
 }
 
+
+void AttnResMhc::set_observer(PathwayObserver* observer) {
+  attnres_.set_observer(observer);  // the retrieval weights are AttnRes's
+  mhc_.set_observer(observer);
+}
+
+std::vector<at::Tensor> AttnResMhc::stream_states(PathwayState& state) { return mhc_.stream_states(*both(state).mhc); }
+
+void AttnResMhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
+  check_stream_count(states, stream_states(state).size(), kind());
+  mhc_.set_stream_states(*both(state).mhc, states);
+}
+
 }  // namespace depthkit

@@ -75,6 +75,10 @@ at::Tensor Dar::read(PathwayState& state, int64_t l) {
                           at::stack(s.h1).view({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha, b.b_alpha, b.w_beta,
                           b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
   s.beta = r.beta;
+  if (observer_) {
+    observe_read(state, l, b.q0, b.q1);
+    observer_->on_write_gates(l, r.beta.detach().view({B, T, 2}));
+  }
   return r.h.view({B, T, d});
 }
 
@@ -97,6 +101,7 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
+  if (observer_) observe_read(state, branches_ + 1, out_q0_, out_q1_);
   const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
@@ -113,7 +118,30 @@ at::Tensor Dar::finish(PathwayState& state) {
 
 std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {
   DualHistory& s = dual(state);
+  if (s.p0.defined()) return {s.p0, s.p1};
   return {s.h0.back(), s.h1.back()};
+}
+
+void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
+  check_stream_count(states, 2, kind());
+  DualHistory& s = dual(state);
+  if (s.p0.defined()) {
+    s.p0 = states[0];
+    s.p1 = states[1];
+  } else {  // at a block boundary: the entry the following reads take as the newest source
+    s.h0.back() = states[0];
+    s.h1.back() = states[1];
+  }
+}
+
+void Dar::observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const {
+  const DualHistory& s = dual(state);
+  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  const at::Tensor partial[2] = {s.p0, s.p1};
+  for (int j = 0; j < 2; ++j) {
+    const int k = route(routing_, j).first;  // the weights depend on the keys only
+    observer_->on_retrieval(l, j, depth_weights(j == 0 ? q0 : q1, completed[k], partial[k]), s.p0.defined());
+  }
 }
 
 }  // namespace depthkit

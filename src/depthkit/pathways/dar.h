@@ -33,7 +33,8 @@ class Dar final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
-  std::vector<at::Tensor> stream_states(PathwayState& state) override;  // newest completed [H⁰, H¹]
+  std::vector<at::Tensor> stream_states(PathwayState& state) override;  // [P⁰, P¹] or newest [H⁰, H¹]
+  void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
 
   static constexpr double kRhoBias = 4.0;
   static constexpr double kGateLogitStd = 0.2;
@@ -45,6 +46,9 @@ class Dar final : public ResidualPathway {
     at::Tensor w_beta, b_beta;          // [2, 2d], [2]
     at::Tensor w_rho, b_rho;            // [1, 2d], [1]; only for branches after the first of a block
   };
+  // Reports both streams' retrieval weights of read ℓ (L_b + 1: the readout) to the observer.
+  void observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const;
+
   int64_t block_, branches_;
   std::string routing_;
   bool fused_;  // residual.impl: the fused operators or the reference compositions (ops/dar_ops.h)

@@ -107,6 +107,11 @@ std::vector<at::Tensor> Mhc::stream_states(PathwayState& state) {
   return out;
 }
 
+void Mhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
+  check_stream_count(states, size_t(m_), kind());
+  streams(state).x = at::stack(states, 2);
+}
+
 at::Tensor Mhc::last_h_res(PathwayState& state) { return streams(state).h_res; }
 
 }  // namespace depthkit

@@ -48,6 +48,7 @@ class Mhc final : public ResidualPathway {
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
   std::vector<at::Tensor> stream_states(PathwayState& state) override;  // the m streams
+  void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
   // H_res of the last read, [B, T, m, m] (rows index the source stream i, columns the target j).
   static at::Tensor last_h_res(PathwayState& state);
 

@@ -21,6 +21,7 @@ struct Sources final : PathwayState {
   std::vector<at::Tensor> expanded;  // reference: completed sources, already expanded: [m, B, T, d] each
   std::vector<at::Tensor> raw;       // fused: completed sources, single-stream [B, T, d] each
   std::vector<at::Tensor> taps;      // fused: their banks, [m − 1, d, K] each
+  std::vector<int64_t> banks;        // the bank index of each completed source
   at::Tensor partial;                // the current block's sum; undefined at block start
   at::Tensor last_input;             // h_ℓ of the last read (for the final residual merge)
   at::Tensor last_output;            // f_ℓ(h_ℓ) of the last write
@@ -81,6 +82,7 @@ at::Tensor Msar::taps(int64_t bank) const {
 
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
+  s.banks.push_back(bank);
   if (fused_) {
     s.raw.push_back(source);
     s.taps.push_back(taps(bank));
@@ -99,6 +101,7 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
   const bool first_in_block = (l - 1) % block_ == 0;
+  if (observer_) observe_read(state, l);
   if (fused_) {
     auto [out, lse] = fused::msar_read(b.queries, at::stack(s.raw), at::stack(s.taps), kKeyNormEps);
     std::optional<at::Tensor> part, part_taps, w, bias, alpha;
@@ -131,6 +134,18 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
     s.last_input = (pre.unsqueeze(-1) * Z).sum(-2);
   }
   return s.last_input;
+}
+
+void Msar::observe_read(PathwayState& state, int64_t l) const {
+  Sources& s = sources(state);
+  std::vector<at::Tensor> expanded = s.expanded;
+  if (fused_)
+    for (size_t i = 0; i < s.raw.size(); ++i) expanded.push_back(expand(s.raw[i], s.banks[i]));
+  at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
+  at::Tensor part = (l - 1) % block_ == 0 ? at::Tensor() : expand(s.partial, l - 1);
+  for (int64_t r = 0; r < m_; ++r)
+    observer_->on_retrieval(l, r, depth_weights(branch_[l].queries[r], completed[r], part.defined() ? part[r] : part),
+                            part.defined());
 }
 
 void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {

@@ -49,6 +49,8 @@ class Msar final : public ResidualPathway {
  private:
   // Adds a completed source to the state: expanded (reference) or raw with its taps (fused).
   void append(PathwayState& state, const at::Tensor& source, int64_t bank) const;
+  // Reports every stream's retrieval weights of read ℓ to the observer.
+  void observe_read(PathwayState& state, int64_t l) const;
 
   struct Branch {
     at::Tensor queries;                   // [m, d]

@@ -10,6 +10,15 @@
 
 namespace depthkit {
 
+void ResidualPathway::set_stream_states(PathwayState&, const std::vector<at::Tensor>&) {
+  fail("residual.kind \"", kind(), "\": the pathway keeps no streams to replace");
+}
+
+void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind) {
+  if (states.size() != expected)
+    fail("residual.kind \"", kind, "\": ", states.size(), " stream states given, the pathway keeps ", expected);
+}
+
 std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,
                                               ParameterStore& params) {
   if (residual.kind == "residual") return std::make_unique<StandardResidual>();

@@ -19,6 +19,20 @@ namespace depthkit {
 
 class ParameterStore;
 
+// What analysis sees of a pathway (DESIGN.md: an observer, so that analysis code does not reach
+// into a pathway's internals). Every callback is optional; the tensors are detached, and an
+// observer must not modify them.
+class PathwayObserver {
+ public:
+  virtual ~PathwayObserver() = default;
+  // The depth-attention weights of one stream of branch ℓ's read (ℓ = L_b + 1: the final readout),
+  // [B, T, n]: the completed sources 0 … n − 1 (source 0 the embedding), then, when `with_partial`,
+  // the current block's partial as the last column (so n − 1 completed sources).
+  virtual void on_retrieval(int64_t branch, int64_t stream, const at::Tensor& weights, bool with_partial) {}
+  // The write gates of branch ℓ, [B, T, streams] (DAR's β_ℓ, eq. 16).
+  virtual void on_write_gates(int64_t branch, const at::Tensor& gates) {}
+};
+
 // Per-forward state of a pathway (the residual stream, a depth history, several streams...).
 struct PathwayState {
   virtual ~PathwayState() = default;
@@ -36,10 +50,24 @@ class ResidualPathway {
   virtual void write(PathwayState& state, int64_t branch, const at::Tensor& out) = 0;
   // The hidden state handed to the final RMSNorm, [B, T, d].
   virtual at::Tensor finish(PathwayState& state) = 0;
-  // Observer: the pathway's current per-stream states, [B, T, d] each (the residual stream; DAR's
-  // newest completed entry [H⁰, H¹]; mHC's m streams). Empty where the pathway keeps no streams.
+  // The pathway's current per-stream states after the last write, [B, T, d] each (the residual
+  // stream; DAR's two streams: the block's partial [P⁰, P¹], or the newest completed entry
+  // [H⁰, H¹] at a block boundary; mHC's m streams). Empty where the pathway keeps no streams.
   virtual std::vector<at::Tensor> stream_states(PathwayState& state) { return {}; }
+  // Intervention (the rescue-gain analysis): replaces the states stream_states() returns, so that
+  // the following branches read the replacement. Throws where the pathway keeps no streams.
+  virtual void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states);
+
+  // Reports retrieval weights and gates to `observer` (nullptr: none) on the following forwards.
+  // Observing costs an extra reference computation of the weights; training never observes.
+  virtual void set_observer(PathwayObserver* observer) { observer_ = observer; }
+
+ protected:
+  PathwayObserver* observer_ = nullptr;
 };
+
+// Throws unless `states` holds `expected` tensors (for set_stream_states of pathway `kind`).
+void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind);
 
 // Builds the pathway named by residual.kind, registering its parameters (component "residual").
 std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,

@@ -2,6 +2,8 @@
 
 #include <ATen/TensorOperators.h>
 
+#include "depthkit/util/error.h"
+
 namespace depthkit {
 
 namespace {
@@ -24,5 +26,10 @@ void StandardResidual::write(PathwayState& state, int64_t, const at::Tensor& out
 }
 
 at::Tensor StandardResidual::finish(PathwayState& state) { return stream(state).h; }
+
+void StandardResidual::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
+  check_stream_count(states, 1, kind());
+  stream(state).h = states[0];
+}
 
 }  // namespace depthkit

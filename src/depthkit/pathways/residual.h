@@ -12,6 +12,7 @@ class StandardResidual final : public ResidualPathway {
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
   std::vector<at::Tensor> stream_states(PathwayState& state) override { return {finish(state)}; }
+  void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
 };
 
 }  // namespace depthkit

@@ -5,7 +5,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +12,7 @@
 
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
+#include "depthkit/util/memory.h"
 
 namespace depthkit {
 
@@ -24,9 +24,20 @@ struct Bench {
   Transformer model;
   AdamW optim;
   at::Generator gen;
+  int64_t own_bytes = 0;   // tensor storage this kind keeps between steps (parameters, optimizer state)
+  int64_t peak_bytes = 0;  // own_bytes + the largest step's transient tensors
   explicit Bench(const Config& c)
       : cfg(c), model(c.model, c.residual, at::kCPU, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
         gen(at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed))) {}
+  // A step, counting this kind's tensor memory (the other kinds' tensors do not change meanwhile).
+  double measured_step() {
+    const int64_t start = TensorMemory::current_bytes();
+    TensorMemory::reset_peak();
+    const double s = step();
+    peak_bytes = std::max(peak_bytes, own_bytes + TensorMemory::peak_bytes() - start);
+    own_bytes += TensorMemory::current_bytes() - start;  // state allocated at the first step
+    return s;
+  }
   double step() {
     std::vector<at::Tensor> batches;
     for (int64_t m = 0; m < cfg.train.grad_accum; ++m)
@@ -47,9 +58,7 @@ void summarise(BenchResult& r, int64_t tokens_per_step) {
   r.median_step_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
   r.tokens_per_step = tokens_per_step;
   r.tokens_per_s = double(tokens_per_step) / r.median_step_s;
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  r.peak_rss_bytes = int64_t(ru.ru_maxrss) * 1024;
+  r.peak_rss_bytes = peak_rss_bytes();
 }
 
 }  // namespace
@@ -57,17 +66,22 @@ void summarise(BenchResult& r, int64_t tokens_per_step) {
 std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
                                          int64_t warmup) {
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  TensorMemory::install();
   std::vector<std::unique_ptr<Bench>> benches;
-  for (const auto& kind : kinds)
+  for (const auto& kind : kinds) {
+    const int64_t before = TensorMemory::current_bytes();
     benches.push_back(std::make_unique<Bench>(Config::parse(cfg.to_toml(), "bench", {"residual.kind=" + kind})));
+    benches.back()->own_bytes = TensorMemory::current_bytes() - before;
+  }
   std::vector<BenchResult> results(kinds.size());
   for (int64_t i = 0; i < warmup + steps; ++i)
     for (size_t k = 0; k < benches.size(); ++k) {
-      const double s = benches[k]->step();
+      const double s = benches[k]->measured_step();
       if (i >= warmup) results[k].step_s.push_back(s);
     }
   for (size_t k = 0; k < kinds.size(); ++k) {
     results[k].kind = kinds[k];
+    results[k].peak_tensor_bytes = benches[k]->peak_bytes;
     summarise(results[k], cfg.tokens_per_step());
   }
   return results;

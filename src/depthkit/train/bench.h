@@ -1,5 +1,6 @@
 // `depthkit bench`: median wall time of a full training step (forward, backward, clipping,
-// AdamW) on random tokens after warm-up, tokens/s, and the process's peak resident memory.
+// AdamW) on random tokens after warm-up, tokens/s, each kind's peak tensor memory
+// (util/memory.h) and the process's peak resident memory.
 // With several pathway kinds, one model per kind is built and their steps are interleaved
 // (kind 1, kind 2, …, kind 1, …) so that every kind sees the same machine conditions; the
 // overhead of each kind is its median step time against the first kind's (docs/benchmarks.md).
@@ -17,7 +18,8 @@ struct BenchResult {
   double median_step_s = 0;
   double tokens_per_s = 0;
   int64_t tokens_per_step = 0;
-  int64_t peak_rss_bytes = 0;  // of the whole process (all kinds together when interleaved)
+  int64_t peak_rss_bytes = 0;     // of the whole process (all kinds together when interleaved)
+  int64_t peak_tensor_bytes = 0;  // this kind's own: parameters, optimizer state, a step's peak
   std::vector<double> step_s;
 };
 

@@ -19,6 +19,7 @@
 #include "depthkit/train/schedule.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/memory.h"
 #include "depthkit/util/progress.h"
 
 namespace depthkit {
@@ -95,6 +96,9 @@ TrainResult train(const TrainOptions& opt) {
   } else if (find_checkpoint(run_dir)) {
     fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
   }
+  TensorMemory::install();  // counts from here: the model, its optimizer state, every step
+  const int64_t memory_base = TensorMemory::current_bytes();
+  TensorMemory::reset_peak();
   Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
   AdamW optim(model.parameters(), cfg.optim);
   TrainerState st;
@@ -107,7 +111,8 @@ TrainResult train(const TrainOptions& opt) {
     if (st.seed != cfg.train.seed)
       fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", st.seed);
   }
-  BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(cfg.train.seed), st.data);
+  const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
+  BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
   fs::create_directories(run_dir);
   write_file_atomic(run_dir / "config.toml", cfg.to_toml());
   truncate_metrics(run_dir / "metrics.jsonl", st.step);
@@ -135,7 +140,9 @@ TrainResult train(const TrainOptions& opt) {
   const int64_t tokens_per_step = cfg.tokens_per_step();
   const auto t0 = std::chrono::steady_clock::now();
   double last_val = -1;
+  double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
   while (st.step < total) {
+    const auto step_start = std::chrono::steady_clock::now();
     const double lr = learning_rate(cfg.optim, st.step, total);
     model.parameters().zero_grad();
     double loss_sum = 0;
@@ -152,6 +159,7 @@ TrainResult train(const TrainOptions& opt) {
            last ? last->string() : "none");
     }
     optim.step(lr);
+    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     ++st.step;
     st.tokens_seen += tokens_per_step;
     result.losses.push_back(loss_sum);
@@ -184,10 +192,20 @@ TrainResult train(const TrainOptions& opt) {
   result.val_loss = run_eval(st.step);
   bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
   result.step = st.step;
+  // Throughput and peak memory of this process (after a resume: of the resumed part only).
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens_here = double(int64_t(result.losses.size()) * tokens_per_step);
+  int64_t val_tokens = 0;
+  for (const at::Tensor& b : val_batches) val_tokens += b.size(0) * (b.size(1) - 1);
   nlohmann::json summary = {{"step", st.step},
                             {"tokens_seen", st.tokens_seen},
+                            {"train_seconds", seconds},
+                            {"tokens_per_s", step_seconds > 0 ? tokens_here / step_seconds : 0.0},
+                            {"peak_tensor_bytes", TensorMemory::peak_bytes() - memory_base},
+                            {"peak_rss_bytes", peak_rss_bytes()},
                             {"train_loss", result.last_loss},
                             {"val_loss", result.val_loss},
+                            {"val_tokens", val_tokens},
                             {"val_ppl", std::exp(result.val_loss)}};
   write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
   return result;

@@ -4,10 +4,11 @@
 // is one more candidate (index N) when present. Parallel over tokens; per token everything lives in
 // thread-local buffers of d (or 2d) floats: nothing of size N·P·d is written but the gradients.
 //
-// Read, per token (eq. 10–15): the inverse RMS s of every candidate of both streams is computed
-// once (keys normalised on the fly, shared by the two reads). Output stream j reads with key
-// stream k_j and value stream v_j (routing, eq. 22) by online softmax over the candidates
-// (eq. A.1–A.5, the partial folded in as the last candidate, which is the merge A.6–A.10):
+// Read, per token (eq. 10–15): one pass over each candidate of both streams gives its inverse RMS
+// s (keys normalised on the fly, shared by the two reads) and its logits. Output stream j reads
+// with key stream k_j and value stream v_j (routing, eq. 22) by a softmax over the candidates
+// (eq. A.1–A.5, the partial folded in as the last candidate, which is the merge A.6–A.10; with all
+// C logits at hand the online form needs no running rescale):
 //   a_c = s_c (q_j · K_c),  z_j = Σ_c softmax(a)_c V_c,  ζ_j = logsumexp_c a_c.
 // Then the gates: u = [z⁰; z¹], ū = u / rms(u), α = σ(ū W_αᵀ + b_α), β = 2σ(ū W_βᵀ + b_β),
 // h = α⁰ z⁰ + α¹ z¹. Only ζ [2, P] is kept for the backward.
@@ -76,6 +77,80 @@ struct Candidates {
   }
 };
 
+// The logits of both reads for token p in one pass over each candidate of each stream: its
+// inverse RMS s and its dot with the query (or queries) of the read(s) that take it as key.
+// a[j·C + c] = s_{k_j, c} (q_j · K_{k_j, c}); s[st·C + c] when s is not null.
+template <class acc_t, class scalar_t>
+void logits(const Candidates<scalar_t>& cand, const scalar_t* q, const DarRouting& routing, int64_t p, double eps,
+            acc_t* a, acc_t* s_out) {
+  const int64_t C = cand.N + (cand.partial[0] ? 1 : 0), d = cand.d;
+  const int k0 = int(routing.key[0]), k1 = int(routing.key[1]);
+  for (int st = 0; st < 2; ++st) {
+    const bool for0 = k0 == st, for1 = k1 == st;
+    for (int64_t c = 0; c < C; ++c) {
+      const scalar_t* x = cand.at(st, c, p);
+      acc_t xx, d0 = 0, d1 = 0;
+      if (for0 && for1) std::tie(xx, d0, d1) = square_and_two_dots<acc_t>(x, q, q + d, d);
+      else if (for0) std::tie(xx, d0) = square_and_dot<acc_t>(x, q, d);
+      else if (for1) std::tie(xx, d1) = square_and_dot<acc_t>(x, q + d, d);
+      else xx = dot<acc_t>(x, x, d);
+      const acc_t sc = acc_t(1) / std::sqrt(xx / acc_t(d) + acc_t(eps));
+      if (for0) a[c] = sc * d0;
+      if (for1) a[C + c] = sc * d1;
+      if (s_out) s_out[st * C + c] = sc;
+    }
+  }
+}
+
+// The gate pre-activations on u = [z⁰; z¹] [2d] in one pass: r = 1/rms(u) and the four dots
+// W_α[k]·u, W_β[k]·u (the logits are r·dot + b).
+template <class acc_t>
+struct GateLogits {
+  acc_t r, alpha[2], beta[2];
+};
+template <class acc_t, class scalar_t>
+GateLogits<acc_t> gate_logits(const acc_t* u, const scalar_t* wa, const scalar_t* wb, int64_t d, double eps) {
+  acc_t uu = 0, a0 = 0, a1 = 0, b0 = 0, b1 = 0;
+  const int64_t n = 2 * d;
+#pragma omp simd reduction(+ : uu, a0, a1, b0, b1)
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t ui = u[i];
+    uu += ui * ui;
+    a0 += acc_t(wa[i]) * ui;
+    a1 += acc_t(wa[n + i]) * ui;
+    b0 += acc_t(wb[i]) * ui;
+    b1 += acc_t(wb[n + i]) * ui;
+  }
+  return {acc_t(1) / std::sqrt(uu / acc_t(n) + acc_t(eps)), {a0, a1}, {b0, b1}};
+}
+
+// The gates' backward over u = [z⁰; z¹] (2d) from the logit gradients ∂ℓα, ∂ℓβ (eq. 13–15):
+//   ∂W_α[k] += ∂ℓα_k r u,  ∂W_β[k] += ∂ℓβ_k r u,  ∂ū = Σ_k ∂ℓα_k W_α[k] + ∂ℓβ_k W_β[k]  (one pass),
+//   ∂z_k = r (∂ū − ū (ū·∂ū) / 2d)[k] + α_k g_h                                         (a second).
+template <class acc_t, class scalar_t>
+void gate_backward(const acc_t* z, acc_t* gu, acc_t* gz, const scalar_t* g, acc_t r, const acc_t* alpha,
+                   const acc_t* dla, const acc_t* dlb, const scalar_t* wa, const scalar_t* wb, acc_t* gwa, acc_t* gwb,
+                   int64_t d) {
+  const int64_t n = 2 * d;
+  acc_t zgu = 0;
+#pragma omp simd reduction(+ : zgu)
+  for (int64_t i = 0; i < n; ++i) {
+    const acc_t zi = z[i];
+    gwa[i] += dla[0] * r * zi;
+    gwa[n + i] += dla[1] * r * zi;
+    gwb[i] += dlb[0] * r * zi;
+    gwb[n + i] += dlb[1] * r * zi;
+    gu[i] = dla[0] * acc_t(wa[i]) + dla[1] * acc_t(wa[n + i]) + dlb[0] * acc_t(wb[i]) + dlb[1] * acc_t(wb[n + i]);
+    zgu += zi * gu[i];
+  }
+  const acc_t c_u = r * r * zgu / acc_t(n);
+  for (int k = 0; k < 2; ++k) {
+    const acc_t ak = alpha[k];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) gz[k * d + i] = r * (gu[k * d + i] - c_u * z[k * d + i]) + ak * acc_t(g[i]);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
@@ -101,24 +176,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
     scalar_t *hp = h.mutable_data_ptr<scalar_t>(), *betap = beta.mutable_data_ptr<scalar_t>();
     acc_t* lp = lse.mutable_data_ptr<acc_t>();
     at::parallel_for(0, P, grain(6 * C * d), [&](int64_t p0i, int64_t p1i) {
-      std::vector<acc_t> s(2 * C), z(2 * d);
+      std::vector<acc_t> a(2 * C), z(2 * d);
       for (int64_t p = p0i; p < p1i; ++p) {
-        for (int st = 0; st < 2; ++st)
-          for (int64_t c = 0; c < C; ++c) s[st * C + c] = inv_rms<acc_t>(cand.at(st, c, p), d, eps);
-        for (int j = 0; j < 2; ++j) {  // the two reads (eq. 11–12) by online softmax (A.1–A.5)
-          const int ks = int(routing.key[j]), vs = int(routing.value[j]);
+        logits<acc_t>(cand, qp, routing, p, eps, a.data(), nullptr);
+        for (int j = 0; j < 2; ++j) {  // the two reads (eq. 11–12, A.1–A.5), logits at hand
+          const int vs = int(routing.value[j]);
+          const acc_t* aj = a.data() + j * C;
+          const acc_t mx = *std::max_element(aj, aj + C);
           acc_t* zj = z.data() + j * d;
           std::fill_n(zj, d, acc_t(0));
-          acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+          acc_t Z = 0;
           for (int64_t c = 0; c < C; ++c) {
-            const acc_t a = s[ks * C + c] * dot<acc_t>(qp + j * d, cand.at(ks, c, p), d);
-            if (a > mx) {
-              const acc_t rescale = std::exp(mx - a);
-              Z *= rescale;
-              scale(zj, rescale, d);
-              mx = a;
-            }
-            const acc_t w = std::exp(a - mx);
+            const acc_t w = std::exp(aj[c] - mx);
             Z += w;
             axpy(zj, w, cand.at(vs, c, p), d);
           }
@@ -126,11 +195,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
           lp[j * P + p] = mx + std::log(Z);
         }
         // Gates on ū = Norm([z⁰; z¹]) (eq. 13–14), then the mix (eq. 15).
-        const acc_t r = inv_rms<acc_t>(z.data(), 2 * d, eps);
+        const GateLogits<acc_t> gl = gate_logits(z.data(), wap, wbp, d, eps);
         acc_t alpha[2], beta_k[2];
         for (int k = 0; k < 2; ++k) {
-          alpha[k] = sigmoid(r * dot<acc_t>(wap + k * 2 * d, z.data(), 2 * d) + acc_t(bap[k]));
-          beta_k[k] = acc_t(2) * sigmoid(r * dot<acc_t>(wbp + k * 2 * d, z.data(), 2 * d) + acc_t(bbp[k]));
+          alpha[k] = sigmoid(gl.r * gl.alpha[k] + acc_t(bap[k]));
+          beta_k[k] = acc_t(2) * sigmoid(gl.r * gl.beta[k] + acc_t(bbp[k]));
           betap[p * 2 + k] = scalar_t(beta_k[k]);
         }
         scalar_t* hr = hp + p * d;
@@ -187,57 +256,49 @@ std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::T
       acc_t *gwa = gq + 2 * d, *gwb = gwa + 4 * d, *gba = gwb + 4 * d, *gbb = gba + 2;
       std::vector<acc_t> s(2 * C), a(2 * C), z(2 * d), gz(2 * d), gu(2 * d);
       for (int64_t p = p0i; p < p1i; ++p) {
+        logits<acc_t>(cand, qp, routing, p, eps, a.data(), s.data());
         for (int st = 0; st < 2; ++st)
-          for (int64_t c = 0; c < C; ++c) {
-            s[st * C + c] = inv_rms<acc_t>(cand.at(st, c, p), d, eps);
-            std::fill_n(grad_at(st, c, p), d, acc_t(0));
-          }
+          for (int64_t c = 0; c < C; ++c) std::fill_n(grad_at(st, c, p), d, acc_t(0));
         // Recompute the reads from ζ: z_j = Σ_c exp(a_c − ζ_j) V_c.
         for (int j = 0; j < 2; ++j) {
-          const int ks = int(routing.key[j]), vs = int(routing.value[j]);
+          const int vs = int(routing.value[j]);
           acc_t* zj = z.data() + j * d;
           std::fill_n(zj, d, acc_t(0));
-          for (int64_t c = 0; c < C; ++c) {
-            a[j * C + c] = s[ks * C + c] * dot<acc_t>(qp + j * d, cand.at(ks, c, p), d);
-            axpy(zj, std::exp(a[j * C + c] - lp[j * P + p]), cand.at(vs, c, p), d);
-          }
+          for (int64_t c = 0; c < C; ++c) axpy(zj, std::exp(a[j * C + c] - lp[j * P + p]), cand.at(vs, c, p), d);
         }
         // Gates (eq. 13–15).
         const scalar_t* g = ghp + p * d;
-        const acc_t r = inv_rms<acc_t>(z.data(), 2 * d, eps);
-        std::fill(gu.begin(), gu.end(), acc_t(0));  // ∂ū
-        acc_t alpha[2];
+        const GateLogits<acc_t> gl = gate_logits(z.data(), wap, wbp, d, eps);
+        const acc_t r = gl.r;
+        acc_t alpha[2], dla[2], dlb[2];
         for (int k = 0; k < 2; ++k) {
-          alpha[k] = sigmoid(r * dot<acc_t>(wap + k * 2 * d, z.data(), 2 * d) + acc_t(bap[k]));
-          const acc_t beta_half = sigmoid(r * dot<acc_t>(wbp + k * 2 * d, z.data(), 2 * d) + acc_t(bbp[k]));
-          const acc_t dla = dot<acc_t>(g, z.data() + k * d, d) * alpha[k] * (acc_t(1) - alpha[k]);
-          const acc_t dlb = acc_t(gbp[p * 2 + k]) * acc_t(2) * beta_half * (acc_t(1) - beta_half);
-          gba[k] += dla;
-          gbb[k] += dlb;
-          axpy(gwa + k * 2 * d, dla * r, z.data(), 2 * d);  // ∂W = ∂ℓ ū, ū = r u
-          axpy(gwb + k * 2 * d, dlb * r, z.data(), 2 * d);
-          axpy(gu.data(), dla, wap + k * 2 * d, 2 * d);
-          axpy(gu.data(), dlb, wbp + k * 2 * d, 2 * d);
+          alpha[k] = sigmoid(r * gl.alpha[k] + acc_t(bap[k]));
+          const acc_t beta_half = sigmoid(r * gl.beta[k] + acc_t(bbp[k]));
+          dla[k] = dot<acc_t>(g, z.data() + k * d, d) * alpha[k] * (acc_t(1) - alpha[k]);
+          dlb[k] = acc_t(gbp[p * 2 + k]) * acc_t(2) * beta_half * (acc_t(1) - beta_half);
+          gba[k] += dla[k];
+          gbb[k] += dlb[k];
         }
-        // ∂u = r (∂ū − ū (ū·∂ū) / 2d) with ū = r u.
-        const acc_t c_u = r * r * dot<acc_t>(z.data(), gu.data(), 2 * d) / acc_t(2 * d);
-        for (int64_t i = 0; i < 2 * d; ++i) gz[i] = r * (gu[i] - c_u * z[i]);
-        for (int k = 0; k < 2; ++k) axpy(gz.data() + k * d, alpha[k], g, d);
-        // The reads' backward (eq. A.1–A.5).
+        gate_backward(z.data(), gu.data(), gz.data(), g, r, alpha, dla, dlb, wap, wbp, gwa, gwb, d);
+        // The reads' backward (eq. A.1–A.5), each candidate's three gradients in one pass.
         for (int j = 0; j < 2; ++j) {
           const int ks = int(routing.key[j]), vs = int(routing.value[j]);
           const acc_t* gzj = gz.data() + j * d;
           const scalar_t* qj = qp + j * d;
+          acc_t* gqj = gq + j * d;
           const acc_t g_out = dot<acc_t>(gzj, z.data() + j * d, d);
           for (int64_t c = 0; c < C; ++c) {
             const scalar_t *kc = cand.at(ks, c, p), *vc = cand.at(vs, c, p);
             const acc_t w = std::exp(a[j * C + c] - lp[j * P + p]), sc = s[ks * C + c];
             const acc_t da = w * (dot<acc_t>(gzj, vc, d) - g_out);
-            axpy(grad_at(vs, c, p), w, gzj, d);
-            axpy(gq + j * d, da * sc, kc, d);
-            acc_t* gk = grad_at(ks, c, p);
-            const acc_t c_k = da * sc * sc * a[j * C + c] / acc_t(d);  // s³ (q·K) = s² a
-            axpy2(gk, da * sc, qj, -c_k, kc, d);
+            const acc_t a_q = da * sc, a_k = -da * sc * sc * a[j * C + c] / acc_t(d);  // s³ (q·K) = s² a
+            acc_t *gv = grad_at(vs, c, p), *gk = grad_at(ks, c, p);
+            if (gv == gk) {  // self-stream keys and values (DAR-SelfKV): ∂V lands on ∂K
+              candidate_grads<true>(gk, gqj, a_q, qj, a_k, kc, w, gzj, d);
+            } else {
+              axpy(gv, w, gzj, d);
+              candidate_grads<true>(gk, gqj, a_q, qj, a_k, kc, acc_t(0), gzj, d);
+            }
           }
         }
       }

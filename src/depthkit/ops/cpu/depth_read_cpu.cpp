@@ -12,6 +12,8 @@
 // Backward recomputes s_r and a_r from the raw keys and takes w_r = exp(a_r − ζ):
 //   g·out = Σ_r w_r (g·v_r),  ∂a_r = w_r (g·v_r − g·out) + ḡ_ζ w_r,
 //   ∂v_r += w_r g,  ∂q += ∂a_r s_r k_r,  ∂k_r += ∂a_r (s_r q − s_r³ (q·k_r) k_r / d).
+// Two passes per source and target: the reductions (norm, q·k, and g·v when v = k) in one, every
+// gradient of the source in the other.
 #include "depthkit/ops/cpu/depth_read_cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -39,6 +41,21 @@ void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   if (k.size(0) < 1) fail("depth_read: needs at least one source");
   if (q.scalar_type() != k.scalar_type() || k.scalar_type() != v.scalar_type())
     fail("depth_read: queries, keys and values must share a dtype");
+}
+
+// (k · k, q · k, g · (o − v)) in one pass: the reductions of the merge's backward.
+template <class acc_t, class scalar_t>
+std::tuple<acc_t, acc_t, acc_t> merge_reductions(const scalar_t* k, const scalar_t* q, const scalar_t* g,
+                                                 const scalar_t* o, const scalar_t* v, int64_t d) {
+  acc_t kk = 0, qk = 0, gd = 0;
+#pragma omp simd reduction(+ : kk, qk, gd)
+  for (int64_t i = 0; i < d; ++i) {
+    const acc_t ki = acc_t(k[i]);
+    kk += ki * ki;
+    qk += acc_t(q[i]) * ki;
+    gd += acc_t(g[i]) * (acc_t(o[i]) - acc_t(v[i]));
+  }
+  return {kk, qk, gd};
 }
 
 }  // namespace
@@ -120,32 +137,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
       acc_t* gq = gq_all + int64_t(at::get_thread_num()) * M * d;
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t r = 0; r < N; ++r) {  // the key's norm and q_0 · K_r in one pass
-          const auto [kk, qk0] = square_and_dot<acc_t>(kp + (r * P + p) * d, qp, d);
+        // One pass over each key: its norm, q_0 · K_r and, when the values are the keys, g_0 · V_r.
+        for (int64_t r = 0; r < N; ++r) {
+          const scalar_t* kr = kp + (r * P + p) * d;
+          acc_t kk;
+          if (shared) {
+            std::tie(kk, qk[r], gdotv[r]) = square_and_two_dots<acc_t>(kr, qp, gop + p * d, d);
+          } else {
+            std::tie(kk, qk[r]) = square_and_dot<acc_t>(kr, qp, d);
+          }
           s[r] = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
-          qk[r] = qk0;
-          std::fill_n(gkp + (r * P + p) * d, d, acc_t(0));
-          if (!shared) std::fill_n(gvp + (r * P + p) * d, d, acc_t(0));
         }
         for (int64_t m = 0; m < M; ++m) {
           const scalar_t* qm = qp + m * d;
           const scalar_t* g = gop + (m * P + p) * d;
           acc_t g_out = 0;  // g · out = Σ_r w_r (g · v_r)
           for (int64_t r = 0; r < N; ++r) {
-            if (m > 0) qk[r] = dot<acc_t>(qm, kp + (r * P + p) * d, d);
+            const scalar_t* kr = kp + (r * P + p) * d;
+            if (m > 0) qk[r] = dot<acc_t>(qm, kr, d);
+            if (m > 0 || !shared) gdotv[r] = dot<acc_t>(g, vp + (r * P + p) * d, d);
             w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
-            gdotv[r] = dot<acc_t>(g, vp + (r * P + p) * d, d);
             g_out += w[r] * gdotv[r];
           }
+          // Each source's gradients in one pass: the first target writes them, later ones add.
           for (int64_t r = 0; r < N; ++r) {
             const scalar_t* kr = kp + (r * P + p) * d;
             const acc_t da = w[r] * (gdotv[r] - g_out) + glp[m * P + p] * w[r];
-            acc_t* gvr = gvp + (r * P + p) * d;
+            const acc_t a_q = da * s[r], a_k = -da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
+            const acc_t a_g = shared ? w[r] : acc_t(0);  // shared values: ∂v_r lands on ∂k_r
             acc_t* gkr = gkp + (r * P + p) * d;
-            const acc_t c_k = da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
-            axpy(gvr, w[r], g, d);  // separate passes: gvr may be gkr (shared values)
-            axpy(gq + m * d, da * s[r], kr, d);
-            axpy2(gkr, da * s[r], qm, -c_k, kr, d);
+            acc_t* gvr = gvp + (r * P + p) * d;
+            acc_t* gqm = gq + m * d;
+            if (m == 0) {  // (the buffers are uninitialised: write, never read)
+              candidate_grads<false>(gkr, gqm, a_q, qm, a_k, kr, a_g, g, d);
+              if (!shared) set_scaled(gvr, w[r], g, d);
+            } else {
+              candidate_grads<true>(gkr, gqm, a_q, qm, a_k, kr, a_g, g, d);
+              if (!shared) axpy(gvr, w[r], g, d);
+            }
           }
         }
       }
@@ -175,7 +204,8 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
     at::parallel_for(0, P, grain(3 * d), [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t* kr = kp + p * d;
-        const acc_t a = inv_rms<acc_t>(kr, d, eps) * dot<acc_t>(qp, kr, d);  // (A.8)
+        const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
+        const acc_t a = qk / std::sqrt(kk / acc_t(d) + acc_t(eps));  // (A.8)
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));      // σ(ζ − a) (A.9)
         for (int64_t i = 0; i < d; ++i)
           hp[p * d + i] = scalar_t(lambda * acc_t(op[p * d + i]) + (acc_t(1) - lambda) * acc_t(vp[p * d + i]));  // (A.10)
@@ -208,23 +238,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
     at::parallel_for(0, P, grain(5 * d), [&](int64_t p0, int64_t p1) {
       acc_t* gq = gq_all + int64_t(at::get_thread_num()) * d;
       for (int64_t p = p0; p < p1; ++p) {
-        const scalar_t *kr = kp + p * d, *gr = gp + p * d;
-        const acc_t s = inv_rms<acc_t>(kr, d, eps), qk = dot<acc_t>(qp, kr, d), a = s * qk;
+        const scalar_t *kr = kp + p * d, *gr = gp + p * d, *orow = op + p * d, *vr = vp + p * d;
+        // One pass for the key's norm, q · k and ∂h/∂λ · g = g · (out − v_part).
+        const auto [kk, qk, dlambda] = merge_reductions<acc_t>(kr, qp, gr, orow, vr, d);
+        const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps)), a = s * qk;
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));
-        // ∂h/∂λ · g = g · (out − v_part)
-        const acc_t dlambda = dot<acc_t>(gr, op + p * d, d) - dot<acc_t>(gr, vp + p * d, d);
         const acc_t dz = dlambda * lambda * (acc_t(1) - lambda);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
         glp[p] = dz;
-        const acc_t da = -dz, c_k = da * s * s * s * qk / acc_t(d);
+        const acc_t da = -dz, a_q = da * s, a_k = -da * s * s * s * qk / acc_t(d), mu = acc_t(1) - lambda;
+        // Every gradient in a second pass.
         acc_t *gor = gop + p * d, *gkr = gkp + p * d, *gvr = gvp + p * d;
-        for (int64_t i = 0; i < d; ++i) gor[i] = lambda * acc_t(gr[i]);
-        for (int64_t i = 0; i < d; ++i) gkr[i] = da * s * acc_t(qp[i]) - c_k * acc_t(kr[i]);
-        if (shared) {
-          axpy(gvr, acc_t(1) - lambda, gr, d);  // onto the key's gradient
-        } else {
-          for (int64_t i = 0; i < d; ++i) gvr[i] = (acc_t(1) - lambda) * acc_t(gr[i]);
-        }
-        axpy(gq, da * s, kr, d);
+        const acc_t a_g = shared ? mu : acc_t(0);  // the value is the key: (1 − λ) g lands on ∂k
+        set_scaled(gor, lambda, gr, d);
+        candidate_grads<false>(gkr, gq, a_q, qp, a_k, kr, a_g, gr, d);
+        if (!shared) set_scaled(gvr, mu, gr, d);
       }
     });
   });

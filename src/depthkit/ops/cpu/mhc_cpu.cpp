@@ -57,12 +57,7 @@ namespace {
 at::ScalarType wide_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // Contiguous loops over d, kept out of the AT_DISPATCH lambdas (a pragma can't sit in a macro
-// argument). a = w x;  o = a (rounded to storage);  o = c x + w g.
-template <class acc_t, class scalar_t>
-void set_scaled(acc_t* a, acc_t w, const scalar_t* x, int64_t d) {
-#pragma omp simd
-  for (int64_t e = 0; e < d; ++e) a[e] = w * acc_t(x[e]);
-}
+// argument). o = a (rounded to storage);  o = c x + w g. (a = w x is kernel_math's set_scaled.)
 template <class scalar_t, class acc_t>
 void store(scalar_t* o, const acc_t* a, int64_t d) {
 #pragma omp simd
