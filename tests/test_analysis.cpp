@@ -196,28 +196,63 @@ struct Driven {
   at::Tensor embedding;
 };
 
-// Drives a pathway with random parameters and stand-in branches f_ℓ(h) = tanh(h W_ℓ).
-Driven drive(ResidualPathway& path, ParameterStore& params, int64_t L, PathwayObserver* obs, uint64_t seed) {
+// Builds pathway r (float64, d = 6) with random parameters and drives it through n_layers layers
+// with stand-in branches f_ℓ(h) = tanh(h W_ℓ), reporting to `obs`.
+Driven drive(const ResidualConfig& r, int64_t n_layers, PathwayObserver* obs, uint64_t seed) {
+  ModelConfig m;
+  m.n_layers = n_layers;
+  m.d_model = 6;
+  ParameterStore params(at::kCPU, 1, at::kDouble);
+  auto path = make_pathway(r, m, params);
   auto g = generator(seed);
   {
     at::NoGradGuard no_grad;
     for (const auto& p : params.all()) p.tensor.normal_(0.0, 0.7, g);
   }
   Driven d;
-  const int64_t B = 2, T = 5, D = 6;
+  const int64_t B = 2, T = 5, D = m.d_model;
   d.embedding = at::randn({B, T, D}, g, at::kDouble);
-  path.set_observer(obs);
-  auto state = path.begin(d.embedding);
-  for (int64_t l = 1; l <= L; ++l) {
-    at::Tensor h = path.read(*state, l);
+  path->set_observer(obs);
+  auto state = path->begin(d.embedding);
+  for (int64_t l = 1; l <= m.n_branches(); ++l) {
+    at::Tensor h = path->read(*state, l);
     at::Tensor f = at::tanh(at::matmul(h, at::randn({D, D}, g, at::kDouble) * 0.5));
     d.inputs.push_back(h);
     d.outputs.push_back(f);
-    path.write(*state, l, f);
+    path->write(*state, l, f);
   }
-  path.finish(*state);
-  path.set_observer(nullptr);
+  path->finish(*state);
   return d;
+}
+
+// The candidates each read ℓ saw under blocks of S branches, written from the branch outputs: the
+// embedding, the completed block sums, then the current block's partial (`with_partial`). The last
+// block becomes a source when `append_last` (AttnRes's output query reads it; MSAR merges it).
+struct Read {
+  std::vector<at::Tensor> sources;
+  bool with_partial;
+};
+std::vector<Read> block_reads(const Driven& d, int64_t S, bool append_last, std::vector<at::Tensor>* completed_out) {
+  const int64_t L = int64_t(d.outputs.size());
+  std::vector<at::Tensor> completed = {d.embedding};
+  at::Tensor partial;
+  std::vector<Read> reads;
+  for (int64_t l = 1; l <= L; ++l) {
+    reads.push_back({completed, partial.defined()});
+    if (partial.defined()) reads.back().sources.push_back(partial);
+    partial = (l - 1) % S == 0 ? d.outputs[l - 1] : partial + d.outputs[l - 1];
+    if (l % S == 0 || l == L) {
+      if (l < L || append_last) completed.push_back(partial);
+      partial = at::Tensor();
+    }
+  }
+  if (completed_out) *completed_out = completed;
+  return reads;
+}
+
+// Σ_c w_c · source_c for weights [B, T, n] over n sources.
+at::Tensor weighted(const at::Tensor& w, const std::vector<at::Tensor>& sources) {
+  return (w.movedim(-1, 0).unsqueeze(-1) * at::stack(sources)).sum(0);
 }
 
 }  // namespace
@@ -227,30 +262,18 @@ TEST(Observer, AttnResWeightsAreTheOnesItReadsWith) {
     ResidualConfig r;
     r.kind = "attnres";
     r.block_sublayers = S;
-    ModelConfig m;
-    m.n_layers = 3;
-    m.d_model = 6;
-    ParameterStore params(at::kCPU, 1, at::kDouble);
-    auto path = make_pathway(r, m, params);
     Recorder rec;
-    const int64_t L = m.n_branches();
-    Driven d = drive(*path, params, L, &rec, 7 + S);
+    Driven d = drive(r, 3, &rec, 7 + S);
+    std::vector<at::Tensor> completed;
+    const auto reads = block_reads(d, S, true, &completed);
+    const int64_t L = int64_t(reads.size());
     // h_ℓ = Σ_c w_c · source_c over [embedding, completed block sums…, partial].
-    std::vector<at::Tensor> completed = {d.embedding};
-    at::Tensor partial;
     for (int64_t l = 1; l <= L; ++l) {
-      std::vector<at::Tensor> sources = completed;
-      if (partial.defined()) sources.push_back(partial);
+      const Read& read = reads[l - 1];
       const at::Tensor w = rec.weights.at({l, 0});
-      ASSERT_EQ(w.size(-1), int64_t(sources.size())) << "S " << S << " branch " << l;
-      EXPECT_EQ(rec.partial.at(l), partial.defined());
-      at::Tensor h = (w.movedim(-1, 0).unsqueeze(-1) * at::stack(sources)).sum(0);
-      EXPECT_TRUE(near(h, d.inputs[l - 1], 1e-12, cat("S ", S, " branch ", l)));
-      partial = (l - 1) % S == 0 ? d.outputs[l - 1] : partial + d.outputs[l - 1];
-      if (l % S == 0 || l == L) {
-        completed.push_back(partial);
-        partial = at::Tensor();
-      }
+      ASSERT_EQ(w.size(-1), int64_t(read.sources.size())) << "S " << S << " branch " << l;
+      EXPECT_EQ(rec.partial.at(l), read.with_partial);
+      EXPECT_TRUE(near(weighted(w, read.sources), d.inputs[l - 1], 1e-12, cat("S ", S, " branch ", l)));
     }
     EXPECT_EQ(rec.weights.at({L + 1, 0}).size(-1), int64_t(completed.size()));  // the output query
   }
@@ -267,26 +290,13 @@ TEST(Observer, MsarWeightsAreTheOnesItReadsWith) {
     r.conv = false;
     r.fusion = "mean";
     r.impl = impl;
-    ModelConfig m;
-    m.n_layers = 3;
-    m.d_model = 6;
-    ParameterStore params(at::kCPU, 1, at::kDouble);
-    auto path = make_pathway(r, m, params);
     Recorder rec;
-    const int64_t L = m.n_branches();
-    Driven d = drive(*path, params, L, &rec, 11);
-    std::vector<at::Tensor> completed = {d.embedding};
-    at::Tensor partial;
-    for (int64_t l = 1; l <= L; ++l) {
-      std::vector<at::Tensor> sources = completed;
-      if (partial.defined()) sources.push_back(partial);
+    Driven d = drive(r, 3, &rec, 11);
+    const auto reads = block_reads(d, 2, false, nullptr);
+    for (int64_t l = 1; l <= int64_t(reads.size()); ++l) {
       at::Tensor h = at::zeros_like(d.embedding);
-      for (int64_t j = 0; j < 3; ++j)
-        h = h + (rec.weights.at({l, j}).movedim(-1, 0).unsqueeze(-1) * at::stack(sources)).sum(0) / 3.0;
+      for (int64_t j = 0; j < 3; ++j) h = h + weighted(rec.weights.at({l, j}), reads[l - 1].sources) / 3.0;
       EXPECT_TRUE(near(h, d.inputs[l - 1], 1e-10, cat(impl, " branch ", l)));
-      partial = (l - 1) % 2 == 0 ? d.outputs[l - 1] : partial + d.outputs[l - 1];
-      if (l % 2 == 0 && l < L) completed.push_back(partial);
-      if (l % 2 == 0) partial = at::Tensor();
     }
   }
 }
@@ -295,14 +305,9 @@ TEST(Observer, DarReportsBothStreamsAndItsWriteGates) {
   ResidualConfig r;
   r.kind = "dar";
   r.block_sublayers = 4;
-  ModelConfig m;
-  m.n_layers = 4;
-  m.d_model = 6;
-  ParameterStore params(at::kCPU, 1, at::kDouble);
-  auto path = make_pathway(r, m, params);
   Recorder rec;
-  drive(*path, params, m.n_branches(), &rec, 5);
-  for (int64_t l = 1; l <= m.n_branches() + 1; ++l)
+  drive(r, 4, &rec, 5);  // 8 branches
+  for (int64_t l = 1; l <= 8 + 1; ++l)
     for (int64_t j = 0; j < 2; ++j) {
       const at::Tensor w = rec.weights.at({l, j});
       const int64_t completed = 1 + (l - 1) / 4;  // the readout (ℓ = 9) reads all three entries

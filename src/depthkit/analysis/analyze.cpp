@@ -95,15 +95,11 @@ at::Tensor forward(Transformer& model, const at::Tensor& tokens, const Hooks& ho
     ~Unobserve() { p.set_observer(nullptr); }
   } unobserve{path};
   path.set_observer(hooks.observer);
-  auto state = path.begin(model.embed(tokens));
-  for (int64_t l = 1; l <= model.config().n_branches(); ++l) {
-    at::Tensor h = path.read(*state, l);
-    path.write(*state, l, model.branch(l, h));
-    if (l % 2 != 0) continue;
-    if (hooks.post_mlp) hooks.post_mlp(l / 2, path.stream_states(*state));
-    if (l / 2 == hooks.intervene_layer) path.set_stream_states(*state, hooks.replace(path.stream_states(*state)));
-  }
-  return model.head(path.finish(*state));
+  return model.logits(tokens, [&](int64_t l, PathwayState& state) {
+    if (l % 2 != 0) return;  // after each layer's MLP branch
+    if (hooks.post_mlp) hooks.post_mlp(l / 2, path.stream_states(state));
+    if (l / 2 == hooks.intervene_layer) path.set_stream_states(state, hooks.replace(path.stream_states(state)));
+  });
 }
 
 // Mean over tokens of KL(p ‖ q), both given as log-probabilities [n, V] in float64.

@@ -1,11 +1,8 @@
 #include "depthkit/analysis/compare.h"
 
 #include <ATen/core/Tensor.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -18,6 +15,7 @@
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/process.h"
 
 namespace depthkit {
 
@@ -61,44 +59,6 @@ nlohmann::json spec_json(const CompareSpec& spec) {
   nlohmann::json runs = nlohmann::json::array();
   for (const auto& r : spec.runs) runs.push_back({{"name", r.name}, {"kind", r.kind}, {"set", r.set}});
   return {{"base", spec.base}, {"seeds", spec.seeds}, {"set", spec.set}, {"baseline", spec.baseline}, {"runs", runs}};
-}
-
-pid_t g_child = 0;
-volatile sig_atomic_t g_interrupted = 0;
-void forward_signal(int sig) {
-  g_interrupted = 1;
-  if (g_child > 0) kill(g_child, sig);
-}
-
-// Runs `exe args...` with its stdout on our stderr (our stdout stays for --json); returns its
-// exit status. SIGINT/SIGTERM reach the child, which checkpoints and stops.
-int run_child(const fs::path& exe, const std::vector<std::string>& args) {
-  std::vector<std::string> all = {exe.string()};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  const pid_t pid = fork();
-  if (pid < 0) fail("cannot start ", exe.string());
-  if (pid == 0) {
-    dup2(2, 1);
-    execv(argv[0], argv.data());
-    std::fprintf(stderr, "depthkit: error: cannot run %s\n", argv[0]);
-    _exit(127);
-  }
-  g_child = pid;
-  auto old_int = std::signal(SIGINT, forward_signal);
-  auto old_term = std::signal(SIGTERM, forward_signal);
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-  }
-  g_child = 0;
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return WEXITSTATUS(status);
 }
 
 double mean(const std::vector<double>& v) {
@@ -250,8 +210,9 @@ nlohmann::json run_compare(const CompareOptions& opt) {
       }
       std::fprintf(stderr, "compare [%zu/%zu] %s (%s)%s\n", done, total, run_label(r, seed).c_str(), r.kind.c_str(),
                    args.back() == "--resume" ? ": resuming" : "");
-      const int rc = run_child(opt.executable, args);
-      if (rc == 130 || rc == 143 || g_interrupted)
+      args.insert(args.begin(), opt.executable.string());
+      const auto [rc, interrupted] = run_program(args);
+      if (rc == 130 || rc == 143 || interrupted)
         fail("interrupted during ", run_label(r, seed), "; its checkpoint is kept: continue with compare --resume --out ",
              out.string());
       if (rc != 0) fail("run ", run_label(r, seed), " failed (exit status ", rc, "; its message is above)");

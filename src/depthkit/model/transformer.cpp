@@ -31,7 +31,7 @@ at::Tensor Transformer::branch(int64_t l, const at::Tensor& h) const {
 
 at::Tensor Transformer::embed(const at::Tensor& tokens) const { return at::embedding(embedding_, tokens); }
 
-at::Tensor Transformer::logits(const at::Tensor& tokens) {
+at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
   if (!rope_) fail("model built on the meta device cannot run");
   if (tokens.size(1) > cfg_.seq_len)
     fail("sequence of ", tokens.size(1), " tokens exceeds model.seq_len ", cfg_.seq_len);
@@ -39,12 +39,10 @@ at::Tensor Transformer::logits(const at::Tensor& tokens) {
   for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
     auto h = path_->read(*state, l);
     path_->write(*state, l, branch(l, h));
+    if (after_branch) after_branch(l, *state);
   }
-  return head(path_->finish(*state));
-}
-
-at::Tensor Transformer::head(const at::Tensor& hidden) const {
-  return at::linear(rms_norm(hidden, final_norm_, cfg_.norm_eps), lm_head_);
+  auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
+  return at::linear(hidden, lm_head_);
 }
 
 at::Tensor Transformer::loss(const at::Tensor& batch) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -25,7 +26,11 @@ class Transformer {
   Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed,
               at::ScalarType dtype = at::kFloat);
 
-  at::Tensor logits(const at::Tensor& tokens);  // int64 [B, T] → float [B, T, V]
+  // Called after branch ℓ's write with the pathway's state (analysis: states, interventions).
+  using AfterBranch = std::function<void(int64_t branch, PathwayState& state)>;
+
+  // int64 [B, T] → float [B, T, V]
+  at::Tensor logits(const at::Tensor& tokens, const AfterBranch& after_branch = {});
   at::Tensor loss(const at::Tensor& batch);     // int64 [B, T+1] → mean next-token cross-entropy
   ParameterStore& parameters() { return params_; }
   const ParameterStore& parameters() const { return params_; }
@@ -35,7 +40,6 @@ class Transformer {
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
   at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d]
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
-  at::Tensor head(const at::Tensor& hidden) const;           // final RMSNorm → LM head: [B, T, V]
 
  private:
   ModelConfig cfg_;

@@ -42,6 +42,21 @@ __device__ __forceinline__ acc_t inv_rms(acc_t sum_sq, int64_t d, double eps) {
   return acc_t(1) / sqrt(sum_sq / acc_t(d) + acc_t(eps));
 }
 
+// (k · k, q · k) over d, each lane taking every 32nd element, summed across the warp.
+template <class acc_t, class scalar_t>
+__device__ __forceinline__ void square_and_dot(const scalar_t* k, const scalar_t* q, int64_t d, int lane, acc_t& kk,
+                                               acc_t& qk) {
+  kk = 0;
+  qk = 0;
+  for (int64_t i = lane; i < d; i += kWarp) {
+    const acc_t x = acc_t(k[i]);
+    kk += x * x;
+    qk += acc_t(q[i]) * x;
+  }
+  kk = warp_sum(kk);
+  qk = warp_sum(qk);
+}
+
 // Forward. Grid: (⌈P / warps⌉, M) blocks of kWarpsPerBlock warps; warp w of block (b, m) reads
 // token p = b·warps + w for target m. Shared: N logits per warp.
 //   a_r = s_r (q_m · k_r) (A.1), out = Σ_r e^{a_r − max} v_r / Z (A.2–A.5), ζ = max + log Z.
@@ -56,15 +71,8 @@ __global__ void depth_read_forward_kernel(const scalar_t* __restrict__ q, const 
   acc_t* a = reinterpret_cast<acc_t*>(shared_bytes) + warp * N;  // [N] logits of this token
   const scalar_t* qm = q + m * d;
   for (int64_t r = 0; r < N; ++r) {
-    const scalar_t* kr = k + (r * P + p) * d;
-    acc_t kk = 0, qk = 0;
-    for (int64_t i = lane; i < d; i += kWarp) {
-      const acc_t x = acc_t(kr[i]);
-      kk += x * x;
-      qk += acc_t(qm[i]) * x;
-    }
-    kk = warp_sum(kk);
-    qk = warp_sum(qk);
+    acc_t kk, qk;
+    square_and_dot(k + (r * P + p) * d, qm, d, lane, kk, qk);
     if (lane == 0) a[r] = inv_rms(kk, d, eps) * qk;
   }
   __syncwarp();
@@ -169,15 +177,8 @@ __global__ void depth_merge_forward_kernel(const scalar_t* __restrict__ out, con
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int64_t p = int64_t(blockIdx.x) * kWarpsPerBlock + warp;
   if (p >= P) return;
-  const scalar_t* kr = k + p * d;
-  acc_t kk = 0, qk = 0;
-  for (int64_t i = lane; i < d; i += kWarp) {
-    const acc_t x = acc_t(kr[i]);
-    kk += x * x;
-    qk += acc_t(q[i]) * x;
-  }
-  kk = warp_sum(kk);
-  qk = warp_sum(qk);
+  acc_t kk, qk;
+  square_and_dot(k + p * d, q, d, lane, kk, qk);
   const acc_t a = inv_rms(kk, d, eps) * qk;                         // (A.8)
   const acc_t lambda = acc_t(1) / (acc_t(1) + exp(a - lse[p]));    // (A.9)
   for (int64_t i = lane; i < d; i += kWarp)                         // (A.10)
