@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
@@ -27,6 +28,19 @@ inline ::testing::AssertionResult near(const at::Tensor& a, const at::Tensor& b,
   if (err <= rtol * scale) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": max |diff| " << err << " > " << rtol << " × " << scale;
 }
+
+// The intra-op thread count for a scope. The kernels split tokens across threads (each thread with
+// its own partial sums of the gradients shared by all tokens) only when there are several.
+class IntraOpThreads {
+ public:
+  explicit IntraOpThreads(int n) : saved_(at::get_num_threads()) { at::set_num_threads(n); }
+  ~IntraOpThreads() { at::set_num_threads(saved_); }
+  IntraOpThreads(const IntraOpThreads&) = delete;
+  IntraOpThreads& operator=(const IntraOpThreads&) = delete;
+
+ private:
+  int saved_;
+};
 
 using ScalarFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 

@@ -8,6 +8,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include "depthkit/ops/cpu/depth_read_cpu.h"
 #include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
 #include "helpers.h"
@@ -88,6 +89,22 @@ TEST(FusedDepthRead, EqualsReferenceFloat32) {
     SCOPED_TRACE(cat("M ", s.M, " N ", s.N, " P ", s.P, " d ", s.d));
     compare_read(s, at::kFloat, 1e-5);
   }
+}
+
+// The kernels' at::parallel_for runs on several threads (it is serial unless the kernel files are
+// compiled with OpenMP), and a read split across threads (three, so the chunks are uneven) still
+// equals the reference.
+TEST(FusedKernels, RunOnSeveralThreads) {
+  IntraOpThreads threads(3);
+  EXPECT_EQ(cpu::kernel_threads(300), 3);
+}
+
+TEST(FusedDepthRead, SplitAcrossThreadsEqualsReference) {
+  IntraOpThreads threads(3);
+  compare_read({2, 3, 200, 24}, at::kDouble, 1e-10);
+  compare_read({2, 3, 200, 24}, at::kFloat, 1e-5);
+  compare_merge(3, 200, 24, at::kDouble, 1e-10);
+  compare_merge(3, 200, 24, at::kFloat, 1e-5);
 }
 
 TEST(FusedDepthMerge, EqualsOneSoftmaxOverAllCandidates) {

@@ -140,6 +140,18 @@ TEST(FusedDar, WriteEqualsReference) {
     }
 }
 
+TEST(FusedDar, SplitAcrossThreadsEqualsReference) {
+  IntraOpThreads threads(3);
+  for (bool partial : {false, true}) {
+    compare_read(3, 200, 24, partial, at::kDouble, 1e-10);
+    compare_read(3, 200, 24, partial, at::kFloat, 1e-5);
+  }
+  for (bool transport : {false, true}) {
+    compare(random_write(200, 24, transport, at::kDouble, 5), fused_write_loss, reference_write_loss, 1e-10);
+    compare(random_write(200, 24, transport, at::kFloat, 5), fused_write_loss, reference_write_loss, 1e-5);
+  }
+}
+
 TEST(FusedDar, GradcheckFloat64) {
   for (bool partial : {false, true}) {
     ReadInputs in = random_read(3, 4, 5, partial, at::kDouble, 7);

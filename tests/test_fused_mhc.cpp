@@ -136,6 +136,16 @@ TEST(FusedMhc, MergeEqualsReference) {
   }
 }
 
+TEST(FusedMhc, SplitAcrossThreadsEqualsReference) {
+  IntraOpThreads threads(3);
+  const Shape s{4, 7, 143, 24};
+  for (auto [dtype, rtol] : {std::pair{at::kDouble, 1e-10}, std::pair{at::kFloat, 1e-5}}) {
+    compare_pre(s, dtype, rtol);
+    compare_sinkhorn(s, dtype, rtol);
+    compare_merge(s, dtype, rtol);
+  }
+}
+
 TEST(FusedMhc, PreMixGradcheckFloat64) {
   auto g = generator(31);
   auto in = pre_inputs({3, 2, 1, 3}, at::kDouble, g);

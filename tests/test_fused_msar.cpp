@@ -179,6 +179,15 @@ TEST(FusedMsarFuse, EqualsReferenceFloat64AndFloat32) {
       }
 }
 
+TEST(FusedMsar, SplitAcrossThreadsEqualsReference) {
+  IntraOpThreads threads(3);
+  const Shape s{4, 3, 7, 143, 24, 5};
+  for (auto [dtype, rtol] : {std::pair{at::kDouble, 1e-10}, std::pair{at::kFloat, 1e-5}}) {
+    compare_read(s, dtype, rtol);
+    for (bool with_partial : {false, true}) compare_fuse(s, with_partial, true, dtype, rtol);
+  }
+}
+
 // The two ops chained equal one softmax per stream over all N + 1 candidates (eq. 17), fused.
 TEST(FusedMsar, ReadThenFuseEqualsOneSoftmaxOverAllCandidates) {
   const Shape s{4, 3, 2, 7, 9, 5};

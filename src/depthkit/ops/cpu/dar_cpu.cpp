@@ -20,7 +20,7 @@
 //   ∂z_k = α_k g_h + ∂u[k],
 // and the read (as depth_read_cpu.cpp): ∂a_c = w_c (∂z·V_c − ∂z·z), ∂V_c += w_c ∂z,
 //   ∂q += ∂a_c s_c K_c,  ∂K_c += ∂a_c (s_c q − s_c³ (q·K_c) K_c / d).
-// Gate and query gradients are sums over tokens: one partial sum per thread, added at the end.
+// Gate and query gradients are sums over tokens: one partial sum per block of tokens (kernel_math.h).
 //
 // Write (eq. 16–17): P'_j = β_j f at block start; otherwise with ρ = σ(Norm([P⁰; P¹]) w_ρ + b_ρ),
 //   P'⁰ = ρ P⁰ + (1 − ρ) P¹ + β⁰ f,   P'¹ = (1 − ρ) P⁰ + ρ P¹ + β¹ f.
@@ -229,10 +229,10 @@ std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::T
   at::Tensor gH0 = at::empty({N, P, d}, acc_opt), gH1 = at::empty({N, P, d}, acc_opt);
   at::Tensor gP0 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
   at::Tensor gP1 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
-  // Per-thread partial sums of the token-summed gradients: q [2, d], W_α, W_β [2, 2d], b_α, b_β [2].
-  const int threads = at::get_num_threads();
+  // Partial sums per block of tokens (kernel_math.h) of the token-summed gradients: q [2, d],
+  // W_α, W_β [2, 2d], b_α, b_β [2].
   const int64_t part = 2 * d + 8 * d + 4;
-  at::Tensor parts = at::zeros({threads, part}, acc_opt);
+  at::Tensor parts = at::zeros({sum_blocks(P), part}, acc_opt);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h0.scalar_type(), "dar_read_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const Candidates<scalar_t> cand{{h0.const_data_ptr<scalar_t>(), h1.const_data_ptr<scalar_t>()},
@@ -251,11 +251,11 @@ std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::T
                    *gbp = gb.const_data_ptr<scalar_t>();
     const acc_t* lp = lse.const_data_ptr<acc_t>();
     acc_t* parts_p = parts.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(10 * C * d), [&](int64_t p0i, int64_t p1i) {
-      acc_t* gq = parts_p + int64_t(at::get_thread_num()) * part;  // [2, d]
-      acc_t *gwa = gq + 2 * d, *gwb = gwa + 4 * d, *gba = gwb + 4 * d, *gbb = gba + 2;
+    parallel_for_blocks(P, grain(10 * C * d), [&](int64_t p0i, int64_t p1i) {
       std::vector<acc_t> s(2 * C), a(2 * C), z(2 * d), gz(2 * d), gu(2 * d);
       for (int64_t p = p0i; p < p1i; ++p) {
+        acc_t* gq = parts_p + sum_block(p) * part;  // [2, d]
+        acc_t *gwa = gq + 2 * d, *gwb = gwa + 4 * d, *gba = gwb + 4 * d, *gbb = gba + 2;
         logits<acc_t>(cand, qp, routing, p, eps, a.data(), s.data());
         for (int st = 0; st < 2; ++st)
           for (int64_t c = 0; c < C; ++c) std::fill_n(grad_at(st, c, p), d, acc_t(0));
@@ -385,8 +385,7 @@ std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::T
   at::Tensor gf = at::empty({P, d}, acc_opt), gbeta = at::empty({P, 2}, acc_opt);
   at::Tensor gp0 = transport ? at::empty({P, d}, acc_opt) : at::Tensor();
   at::Tensor gp1 = transport ? at::empty({P, d}, acc_opt) : at::Tensor();
-  const int threads = at::get_num_threads();
-  at::Tensor parts = at::zeros({threads, 2 * d + 1}, acc_opt);  // ∂w_ρ [2d], ∂b_ρ
+  at::Tensor parts = at::zeros({sum_blocks(P), 2 * d + 1}, acc_opt);  // ∂w_ρ [2d], ∂b_ρ per block of tokens
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, f.scalar_type(), "dar_write_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t *fp = f.const_data_ptr<scalar_t>(), *bp = beta.const_data_ptr<scalar_t>(),
@@ -399,9 +398,9 @@ std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::T
     acc_t *gp0p = transport ? gp0.mutable_data_ptr<acc_t>() : nullptr,
           *gp1p = transport ? gp1.mutable_data_ptr<acc_t>() : nullptr;
     acc_t* parts_p = parts.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(10 * d), [&](int64_t a, int64_t b) {
-      acc_t* gw = parts_p + int64_t(at::get_thread_num()) * (2 * d + 1);
+    parallel_for_blocks(P, grain(10 * d), [&](int64_t a, int64_t b) {
       for (int64_t p = a; p < b; ++p) {
+        acc_t* gw = parts_p + sum_block(p) * (2 * d + 1);
         const scalar_t *fr = fp + p * d, *x0 = g0p + p * d, *x1 = g1p + p * d;
         const acc_t b0 = acc_t(bp[2 * p]), b1 = acc_t(bp[2 * p + 1]);
         acc_t* gfr = gfp + p * d;

@@ -23,6 +23,8 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -121,11 +123,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, k.options());
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({M, P}, lse.options());
   // Gradients of keys and values are accumulated per token (no two threads share a token);
-  // the query gradient is a sum over tokens: one partial sum per thread, added at the end.
+  // the query gradient is a sum over tokens: one partial sum per block of tokens (kernel_math.h).
   at::Tensor gk = at::empty({N, P, d}, k.options().dtype(acc_type));
   at::Tensor gv = shared ? gk : at::empty({N, P, d}, k.options().dtype(acc_type));
-  const int threads = at::get_num_threads();
-  at::Tensor gq_parts = at::zeros({threads, M, d}, k.options().dtype(acc_type));
+  at::Tensor gq_parts = at::zeros({sum_blocks(P), M, d}, k.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
@@ -133,10 +134,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
     const acc_t *lp = lse.const_data_ptr<acc_t>(), *glp = gl.const_data_ptr<acc_t>();
     acc_t *gkp = gk.mutable_data_ptr<acc_t>(), *gvp = gv.mutable_data_ptr<acc_t>();
     acc_t* gq_all = gq_parts.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
-      acc_t* gq = gq_all + int64_t(at::get_thread_num()) * M * d;
+    parallel_for_blocks(P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
       for (int64_t p = p0; p < p1; ++p) {
+        acc_t* gq = gq_all + sum_block(p) * M * d;
         // One pass over each key: its norm, q_0 · K_r and, when the values are the keys, g_0 · V_r.
         for (int64_t r = 0; r < N; ++r) {
           const scalar_t* kr = kp + (r * P + p) * d;
@@ -226,8 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
   const int64_t P = o.size(0), d = o.size(1);
   at::Tensor go = at::empty({P, d}, o.options().dtype(acc_type)), gk = at::empty({P, d}, o.options().dtype(acc_type)),
              gv = shared ? gk : at::empty({P, d}, o.options().dtype(acc_type)), gl = at::empty({P}, lse.options());
-  const int threads = at::get_num_threads();
-  at::Tensor gq_parts = at::zeros({threads, d}, o.options().dtype(acc_type));
+  at::Tensor gq_parts = at::zeros({sum_blocks(P), d}, o.options().dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "depth_merge_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t *gp = g.const_data_ptr<scalar_t>(), *op = o.const_data_ptr<scalar_t>(), *qp = q.const_data_ptr<scalar_t>(),
@@ -235,9 +235,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
     const acc_t* lp = lse.const_data_ptr<acc_t>();
     acc_t *gop = go.mutable_data_ptr<acc_t>(), *gvp = gv.mutable_data_ptr<acc_t>(), *gkp = gk.mutable_data_ptr<acc_t>(),
           *glp = gl.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(5 * d), [&](int64_t p0, int64_t p1) {
-      acc_t* gq = gq_all + int64_t(at::get_thread_num()) * d;
+    parallel_for_blocks(P, grain(5 * d), [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
+        acc_t* gq = gq_all + sum_block(p) * d;
         const scalar_t *kr = kp + p * d, *gr = gp + p * d, *orow = op + p * d, *vr = vp + p * d;
         // One pass for the key's norm, q · k and ∂h/∂λ · g = g · (out − v_part).
         const auto [kk, qk, dlambda] = merge_reductions<acc_t>(kr, qp, gr, orow, vr, d);
@@ -258,6 +258,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
   const auto st = o.scalar_type();
   return {go.to(st), gl.to(lse_.scalar_type()), gq_parts.sum(0).to(q.scalar_type()), gk.to(st),
           shared ? at::Tensor() : gv.to(st)};
+}
+
+int kernel_threads(int64_t n) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+  return std::popcount(seen.load());
 }
 
 }  // namespace depthkit::cpu

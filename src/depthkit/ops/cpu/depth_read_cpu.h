@@ -22,4 +22,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
     const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
     const at::Tensor& key_part, const at::Tensor& value_part, double eps);
 
+// How many threads an at::parallel_for over n items runs on inside the kernel files: the check that
+// they are compiled with OpenMP, without which at::parallel_for runs every range on one thread.
+int kernel_threads(int64_t n);
+
 }  // namespace depthkit::cpu
