@@ -98,6 +98,17 @@ done
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar,msar --steps 2 --warmup 0 --json \
   | python3 -c "import json,sys; r=json.load(sys.stdin)['runs']; assert [x['kind'] for x in r]==['residual','dar','msar'] and r[0]['overhead']==0, r" \
   || fail "bench --kinds"
+# The operator profile: DAR's step runs its fused read forward and backward, the residual's does not;
+# self times add up to no more than each operator's total.
+"$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar --steps 1 --warmup 0 --profile 1 --json \
+  | python3 -c "
+import json, sys
+runs = {r['kind']: {p['op']: p for p in r['profile']} for r in json.load(sys.stdin)['runs']}
+assert 'aten::mm' in runs['residual'] and 'depthkit::dar_read' not in runs['residual'], runs['residual'].keys()
+assert runs['dar']['depthkit::dar_read']['calls_per_step'] == 4, runs['dar']['depthkit::dar_read']  # one per branch (2 layers)
+assert 'depthkit::dar_read_backward' in runs['dar'], runs['dar'].keys()
+assert all(0 <= p['self_ms_per_step'] <= p['total_ms_per_step'] + 1e-9 for r in runs.values() for p in r.values())
+" || fail "bench --profile"
 # Every fused operator timed against its reference.
 "$DK" bench --ops tiny --steps 1 --json \
   | python3 -c "import json,sys; r=json.load(sys.stdin); assert len(r['ops'])>=7 and all(o['fused_ms']>0 for o in r['ops']) and r['bandwidth'][0]['copy_gbs']>0, r" \

@@ -24,6 +24,31 @@ std::vector<std::string> split_kinds(const std::string& list) {
   return kinds;
 }
 
+nlohmann::json profile_json(const BenchResult& r) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& row : r.profile)
+    rows.push_back({{"op", row.name},
+                    {"calls_per_step", double(row.calls) / double(r.profile_steps)},
+                    {"total_ms_per_step", row.total_s * 1e3 / double(r.profile_steps)},
+                    {"self_ms_per_step", row.self_s * 1e3 / double(r.profile_steps)}});
+  return rows;
+}
+
+// The operators with the largest self time, per step.
+void print_profile(const BenchResult& r, int64_t top) {
+  double all = 0;
+  for (const auto& row : r.profile) all += row.self_s;
+  std::printf("\n%s: operators by self time, per step (%lld profiled steps, %.1f ms per step recorded)\n",
+              r.kind.c_str(), (long long)r.profile_steps, all * 1e3 / double(r.profile_steps));
+  std::printf("  %10s %10s %8s  %s\n", "self ms", "total ms", "calls", "operator");
+  for (size_t i = 0; i < r.profile.size() && int64_t(i) < top; ++i) {
+    const auto& row = r.profile[i];
+    const double n = double(r.profile_steps);
+    std::printf("  %10.2f %10.2f %8.1f  %s\n", row.self_s * 1e3 / n, row.total_s * 1e3 / n, double(row.calls) / n,
+                row.name.c_str());
+  }
+}
+
 int print_ops(const std::string& shapes, int64_t repeats, bool json) {
   OpBenchReport r = bench_ops(shapes, repeats);
   if (json) {
@@ -56,7 +81,7 @@ void add_bench(CLI::App& app, Action& action) {
   struct Args {
     std::string config, kinds, ops;
     std::vector<std::string> sets;
-    int64_t steps = 20, warmup = 3;
+    int64_t steps = 20, warmup = 3, profile = 0, top = 25;
     bool json = false;
   };
   auto a = std::make_shared<Args>();
@@ -68,6 +93,10 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_option("--ops", a->ops, "time each fused operator against its reference: tiny, 0.1b or all");
   cmd->add_option("--steps", a->steps, "timed steps (repeats with --ops)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_option("--warmup", a->warmup, "untimed warm-up steps")->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+  cmd->add_option("--profile", a->profile,
+                  "then run this many more steps per kind under the operator profiler and print where the time goes")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
+  cmd->add_option("--top", a->top, "operators to print per kind with --profile")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_flag("--json", a->json, "print JSON");
   cmd->callback([&action, a] {
     action = [a] {
@@ -75,8 +104,8 @@ void add_bench(CLI::App& app, Action& action) {
       if (a->config.empty()) fail("bench: --config is required (or --ops to time the operators)");
       Config cfg = Config::load(a->config, a->sets);
       std::vector<BenchResult> results =
-          a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup)}
-                           : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup);
+          a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup, a->profile)}
+                           : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup, a->profile);
       const double base = results[0].median_step_s;
       if (a->json) {
         nlohmann::json runs = nlohmann::json::array();
@@ -89,6 +118,8 @@ void add_bench(CLI::App& app, Action& action) {
                           {"peak_rss_bytes", r.peak_rss_bytes},
                           {"peak_tensor_bytes", r.peak_tensor_bytes},
                           {"step_s", r.step_s}});
+        if (a->profile > 0)
+          for (size_t k = 0; k < results.size(); ++k) runs[k]["profile"] = profile_json(results[k]);
         std::printf("%s\n", (a->kinds.empty() ? runs[0] : nlohmann::json{{"runs", runs}}).dump().c_str());
         return 0;
       }
@@ -98,6 +129,7 @@ void add_bench(CLI::App& app, Action& action) {
                     "(%lld steps after %lld warm-up)\n",
                     r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
                     double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps, (long long)a->warmup);
+        if (a->profile > 0) print_profile(r, a->top);
         return 0;
       }
       std::printf("%-14s %12s %12s %10s %12s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld)\n",
@@ -106,6 +138,8 @@ void add_bench(CLI::App& app, Action& action) {
       for (const auto& r : results)
         std::printf("%-14s %12.2f %12.0f %9.1f%% %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
                     100.0 * (r.median_step_s / base - 1.0), double(r.peak_tensor_bytes) / (1 << 20));
+      if (a->profile > 0)
+        for (const auto& r : results) print_profile(r, a->top);
       return 0;
     };
   });

@@ -3,7 +3,6 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones_like.h>
-#include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/depth_attention.h"
@@ -13,9 +12,9 @@ namespace depthkit {
 
 namespace {
 struct History final : PathwayState {
-  std::vector<at::Tensor> completed;  // [B, T, d] each: embedding, then completed block summaries
-  std::vector<at::Tensor> values;     // their values: the same tensors, or W_{v,r}·source (SepV),
-                                      // mapped once when the source is appended
+  StackedHistory completed;  // [B, T, d] each: embedding, then completed block summaries
+  StackedHistory values;     // their values: the same tensors, or W_{v,r}·source (SepV),
+                             // mapped once when the source is appended
   at::Tensor partial;                 // sum of the current block's outputs; undefined at block start
 };
 History& history(PathwayState& s) { return static_cast<History&>(s); }
@@ -37,8 +36,8 @@ AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, Param
 
 std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<History>();
-  s->completed.push_back(embedding);
-  s->values.push_back(value(0, embedding));
+  s->completed.push(embedding);
+  s->values.push(value(0, embedding));
   return s;
 }
 
@@ -68,13 +67,13 @@ at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = (l - 1) % block_ == 0;
   if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
-    if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed[0].select(-1, 0)).unsqueeze(-1), false);
-    return s.values[0];
+    if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed.entries()[0].select(-1, 0)).unsqueeze(-1), false);
+    return s.values.entries()[0];
   }
-  at::Tensor keys = at::stack(s.completed);
+  const at::Tensor& keys = s.completed.stacked();
   if (observer_) observer_->on_retrieval(l, 0, depth_weights(query_[l], keys, s.partial), s.partial.defined());
   const bool sepv = !value_maps_.empty();
-  at::Tensor vals = sepv ? at::stack(s.values) : at::Tensor();
+  at::Tensor vals = sepv ? s.values.stacked() : at::Tensor();
   if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
   // The partial is valued with the map of the source index it will take.
   return read_sources(query_[l], keys, vals, s.partial, sepv ? value(s.completed.size(), s.partial) : at::Tensor());
@@ -84,16 +83,16 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
   s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;
   if (l % block_ == 0 || l == branches_) {  // block boundary (the last block may be shorter)
-    s.values.push_back(value(s.completed.size(), s.partial));
-    s.completed.push_back(s.partial);
+    s.values.push(value(s.completed.size(), s.partial));
+    s.completed.push(s.partial);
     s.partial = at::Tensor();
   }
 }
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
-  if (observer_) observer_->on_retrieval(branches_ + 1, 0, depth_weights(out_query_, at::stack(s.completed), {}), false);
-  return read_sources(out_query_, at::stack(s.completed), value_maps_.empty() ? at::Tensor() : at::stack(s.values), {}, {});
+  if (observer_) observer_->on_retrieval(branches_ + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
+  return read_sources(out_query_, s.completed.stacked(), value_maps_.empty() ? at::Tensor() : s.values.stacked(), {}, {});
 }
 
 }  // namespace depthkit

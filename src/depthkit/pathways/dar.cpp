@@ -15,7 +15,7 @@ namespace depthkit {
 namespace {
 
 struct DualHistory final : PathwayState {
-  std::vector<at::Tensor> h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
+  StackedHistory h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
   at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
   at::Tensor beta;                 // β_ℓ of the last read, [B·T, 2], used by its write
 };
@@ -57,22 +57,23 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
 
 std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<DualHistory>();
-  s->h0.push_back(embedding);  // H_0 = [e, e]
-  s->h1.push_back(embedding);
+  s->h0.push(embedding);  // H_0 = [e, e]
+  s->h1.push(embedding);
   return s;
 }
 
 at::Tensor Dar::read(PathwayState& state, int64_t l) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
-  const int64_t N = int64_t(s.h0.size()), B = s.h0[0].size(0), T = s.h0[0].size(1), d = s.h0[0].size(2);
+  const at::Tensor& e = s.h0.entries()[0];
+  const int64_t N = int64_t(s.h0.size()), B = e.size(0), T = e.size(1), d = e.size(2);
   auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
   auto [k0, v0] = route(routing_, 0);
   auto [k1, v1] = route(routing_, 1);
   // eq. 10–15: both streams' reads (the partial merged by online softmax) and the gates.
   auto read = fused_ ? fused::dar_read : reference::dar_read;
-  fused::DarRead r = read(at::stack({b.q0, b.q1}), at::stack(s.h0).view({N, B * T, d}),
-                          at::stack(s.h1).view({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha, b.b_alpha, b.w_beta,
+  fused::DarRead r = read(at::stack({b.q0, b.q1}), s.h0.stacked().view({N, B * T, d}),
+                          s.h1.stacked().view({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha, b.b_alpha, b.w_beta,
                           b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
   s.beta = r.beta;
   if (observer_) {
@@ -93,8 +94,8 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   s.p0 = p0.view({B, T, d});
   s.p1 = p1.view({B, T, d});
   if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
-    s.h0.push_back(s.p0);
-    s.h1.push_back(s.p1);
+    s.h0.push(s.p0);
+    s.h1.push(s.p1);
     s.p0 = s.p1 = at::Tensor();
   }
 }
@@ -102,7 +103,7 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
   if (observer_) observe_read(state, branches_ + 1, out_q0_, out_q1_);
-  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
   for (int j = 0; j < 2; ++j) {
@@ -119,7 +120,7 @@ at::Tensor Dar::finish(PathwayState& state) {
 std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {
   DualHistory& s = dual(state);
   if (s.p0.defined()) return {s.p0, s.p1};
-  return {s.h0.back(), s.h1.back()};
+  return {s.h0.entries().back(), s.h1.entries().back()};
 }
 
 void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
@@ -129,14 +130,14 @@ void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& 
     s.p0 = states[0];
     s.p1 = states[1];
   } else {  // at a block boundary: the entry the following reads take as the newest source
-    s.h0.back() = states[0];
-    s.h1.back() = states[1];
+    s.h0.replace_last(states[0]);
+    s.h1.replace_last(states[1]);
   }
 }
 
 void Dar::observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const {
-  const DualHistory& s = dual(state);
-  const at::Tensor completed[2] = {at::stack(s.h0), at::stack(s.h1)};
+  DualHistory& s = dual(state);
+  const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const at::Tensor partial[2] = {s.p0, s.p1};
   for (int j = 0; j < 2; ++j) {
     const int k = route(routing_, j).first;  // the weights depend on the keys only

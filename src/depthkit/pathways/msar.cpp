@@ -19,8 +19,8 @@ namespace depthkit {
 namespace {
 struct Sources final : PathwayState {
   std::vector<at::Tensor> expanded;  // reference: completed sources, already expanded: [m, B, T, d] each
-  std::vector<at::Tensor> raw;       // fused: completed sources, single-stream [B, T, d] each
-  std::vector<at::Tensor> taps;      // fused: their banks, [m − 1, d, K] each
+  StackedHistory raw;                // fused: completed sources, single-stream [B, T, d] each
+  StackedHistory taps;               // fused: their banks, [m − 1, d, K] each
   std::vector<int64_t> banks;        // the bank index of each completed source
   at::Tensor partial;                // the current block's sum; undefined at block start
   at::Tensor last_input;             // h_ℓ of the last read (for the final residual merge)
@@ -84,8 +84,8 @@ void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) c
   Sources& s = sources(state);
   s.banks.push_back(bank);
   if (fused_) {
-    s.raw.push_back(source);
-    s.taps.push_back(taps(bank));
+    s.raw.push(source);
+    s.taps.push(taps(bank));
   } else {
     s.expanded.push_back(expand(source, bank));
   }
@@ -103,7 +103,7 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   const bool first_in_block = (l - 1) % block_ == 0;
   if (observer_) observe_read(state, l);
   if (fused_) {
-    auto [out, lse] = fused::msar_read(b.queries, at::stack(s.raw), at::stack(s.taps), kKeyNormEps);
+    auto [out, lse] = fused::msar_read(b.queries, s.raw.stacked(), s.taps.stacked(), kKeyNormEps);
     std::optional<at::Tensor> part, part_taps, w, bias, alpha;
     if (!first_in_block) {
       part = s.partial;
@@ -140,7 +140,7 @@ void Msar::observe_read(PathwayState& state, int64_t l) const {
   Sources& s = sources(state);
   std::vector<at::Tensor> expanded = s.expanded;
   if (fused_)
-    for (size_t i = 0; i < s.raw.size(); ++i) expanded.push_back(expand(s.raw[i], s.banks[i]));
+    for (size_t i = 0; i < s.raw.size(); ++i) expanded.push_back(expand(s.raw.entries()[i], s.banks[i]));
   at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
   at::Tensor part = (l - 1) % block_ == 0 ? at::Tensor() : expand(s.partial, l - 1);
   for (int64_t r = 0; r < m_; ++r)

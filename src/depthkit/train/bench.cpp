@@ -64,7 +64,7 @@ void summarise(BenchResult& r, int64_t tokens_per_step) {
 }  // namespace
 
 std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
-                                         int64_t warmup) {
+                                         int64_t warmup, int64_t profile_steps) {
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
   TensorMemory::install();
   std::vector<std::unique_ptr<Bench>> benches;
@@ -79,6 +79,14 @@ std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<st
       const double s = benches[k]->measured_step();
       if (i >= warmup) results[k].step_s.push_back(s);
     }
+  for (size_t k = 0; k < kinds.size() && profile_steps > 0; ++k) {
+    OpProfile profile;
+    profile.start();
+    for (int64_t i = 0; i < profile_steps; ++i) benches[k]->step();
+    profile.stop();
+    results[k].profile_steps = profile_steps;
+    results[k].profile = profile.rows();
+  }
   for (size_t k = 0; k < kinds.size(); ++k) {
     results[k].kind = kinds[k];
     results[k].peak_tensor_bytes = benches[k]->peak_bytes;
@@ -87,8 +95,8 @@ std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<st
   return results;
 }
 
-BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup) {
-  return run_bench_kinds(cfg, {cfg.residual.kind}, steps, warmup)[0];
+BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup, int64_t profile_steps) {
+  return run_bench_kinds(cfg, {cfg.residual.kind}, steps, warmup, profile_steps)[0];
 }
 
 }  // namespace depthkit

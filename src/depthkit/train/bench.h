@@ -4,12 +4,15 @@
 // With several pathway kinds, one model per kind is built and their steps are interleaved
 // (kind 1, kind 2, …, kind 1, …) so that every kind sees the same machine conditions; the
 // overhead of each kind is its median step time against the first kind's (docs/benchmarks.md).
+// With profile_steps > 0, each kind then runs that many more steps (untimed) under an OpProfile
+// (util/op_profile.h): where its step time goes, operator by operator.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "depthkit/config/config.h"
+#include "depthkit/util/op_profile.h"
 
 namespace depthkit {
 
@@ -21,12 +24,14 @@ struct BenchResult {
   int64_t peak_rss_bytes = 0;     // of the whole process (all kinds together when interleaved)
   int64_t peak_tensor_bytes = 0;  // this kind's own: parameters, optimizer state, a step's peak
   std::vector<double> step_s;
+  int64_t profile_steps = 0;
+  std::vector<OpProfile::Row> profile;  // summed over profile_steps steps, largest self time first
 };
 
-BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup);
+BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup, int64_t profile_steps = 0);
 
 // One result per kind (residual.kind = each of `kinds`, everything else from cfg), interleaved.
 std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
-                                         int64_t warmup);
+                                         int64_t warmup, int64_t profile_steps = 0);
 
 }  // namespace depthkit
