@@ -35,7 +35,7 @@ namespace {
 struct Shape {
   int64_t m, B, T, d;
 };
-const Shape kShapes[] = {{1, 1, 1, 1}, {1, 2, 3, 7}, {2, 1, 1, 5}, {2, 3, 5, 9},
+const Shape kShapes[] = {{1, 1, 1, 1}, {1, 2, 3, 7}, {2, 1, 1, 5}, {2, 3, 5, 9}, {3, 2, 9, 5},
                          {4, 1, 1, 7}, {4, 2, 7, 13}, {4, 3, 11, 33}};
 
 std::vector<at::Tensor> leaf_copies(const std::vector<at::Tensor>& ts) {

@@ -21,9 +21,10 @@
 //
 // Sinkhorn–Knopp (eq. 3, docs/design.md): P⁰ = exp(L − max L); for t = 1 … iters: rows
 // P ← P / s (s_i = Σ_j P_ij), then columns P ← P / c (c_j = Σ_i P_ij). All in acc_t; each
-// division is a multiplication by the sum's reciprocal, and m = 2, 4 are compiled with fixed m.
-// Backward per token recomputes the 2·iters normalisation steps into a small thread-local buffer
-// (the m² matrix after each step and its m sums) and walks them back:
+// division is a multiplication by the sum's reciprocal, and m = 2, 4 are compiled with fixed m;
+// 16 tokens run side by side, one per SIMD lane. Backward recomputes the 2·iters normalisation
+// steps into a small thread-local buffer (the m² matrix after each step and its m sums) and walks
+// them back:
 //   row step Q_ij = P_ij / s_i:     ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
 //   column step Q_ij = P_ij / c_j:  ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
 //   ∂L = ∂P⁰ ⊙ P⁰  (the max shift changes nothing). Only the logits are kept.
@@ -309,67 +310,101 @@ void check_square(const char* op, const at::Tensor& t) {
     fail(op, ": logits must be float32, float64 or bfloat16");
 }
 
-// One token's Sinkhorn–Knopp. M > 0 fixes m at compile time (the loops unroll; m = 4 is the
-// common case), M = 0 reads it from m_rt. Each step multiplies by the reciprocal of its sums.
-// P⁰ = exp(L − max L) goes to q[0 … m²). With keep, every step's result follows it in q
-// (2·iters matrices) and its reciprocal sums go to inv (2·iters·m) for the backward; otherwise q
-// is updated in place and inv is m scratch values.
-template <int M, class acc_t>
-void sinkhorn_token(const acc_t* l, acc_t* q, acc_t* inv, int64_t m_rt, int64_t iters, bool keep) {
-  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
-  acc_t mx = l[0];
-  for (int64_t k = 1; k < mm; ++k) mx = std::max(mx, l[k]);
-  for (int64_t k = 0; k < mm; ++k) q[k] = std::exp(l[k] - mx);
-  acc_t* cur = q;
-  for (int64_t t = 0; t < iters; ++t) {
-    acc_t* nxt = keep ? cur + mm : cur;
-    acc_t* s = keep ? inv + 2 * t * m : inv;
-    for (int64_t i = 0; i < m; ++i) {  // rows
-      acc_t sum = 0;
-      for (int64_t j = 0; j < m; ++j) sum += cur[i * m + j];
-      s[i] = acc_t(1) / sum;
-    }
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[i];
-    cur = nxt;
-    nxt = keep ? cur + mm : cur;
-    s = keep ? inv + (2 * t + 1) * m : inv;
-    for (int64_t j = 0; j < m; ++j) s[j] = 0;  // columns
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < m; ++j) s[j] += cur[i * m + j];
-    for (int64_t j = 0; j < m; ++j) s[j] = acc_t(1) / s[j];
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < m; ++j) nxt[i * m + j] = cur[i * m + j] * s[j];
-    cur = nxt;
+// Sinkhorn–Knopp works on tiny matrices (m² = 16 entries) with 2·iters dependent steps, each a few
+// sums and one reciprocal per row or column: per token it is a chain of scalar divisions. So kLanes
+// tokens run side by side, one per SIMD lane (kernel_math.h's kLanes = 16): every buffer is
+// [entry][lane] and every loop over lanes vectorises, the divisions included. A group's lanes past
+// the last token repeat it.
+
+// Loads the [m²] matrices of tokens p0 … p0 + w − 1 from src [P, m²] into dst [m²][kLanes].
+template <class acc_t>
+void load_lanes(const acc_t* src, acc_t* dst, int64_t mm, int64_t w) {
+  for (int64_t v = 0; v < kLanes; ++v) {
+    const acc_t* row = src + std::min(v, w - 1) * mm;
+    for (int64_t k = 0; k < mm; ++k) dst[k * kLanes + v] = row[k];
   }
 }
 
-// One token's backward: recompute into q / inv, then walk the steps back from g = ∂H_res
-// (tt: m scratch values).
+// The first w lanes of src [m²][kLanes] to dst [w, m²].
+template <class acc_t>
+void store_lanes(const acc_t* src, acc_t* dst, int64_t mm, int64_t w) {
+  for (int64_t v = 0; v < w; ++v)
+    for (int64_t k = 0; k < mm; ++k) dst[v * mm + k] = src[k * kLanes + v];
+}
+
+// Sinkhorn–Knopp of kLanes tokens, logits l [m²][kLanes]. M > 0 fixes m at compile time (m = 4 is
+// the common case), M = 0 reads it from m_rt. P⁰ = exp(L − max L) goes to q[0 … m²); with keep,
+// every step's result follows it in q (2·iters matrices) and its reciprocal sums go to inv
+// (2·iters·m rows of kLanes) for the backward; otherwise q is updated in place and inv is m rows.
 template <int M, class acc_t>
-void sinkhorn_token_backward(const acc_t* l, const acc_t* grad, acc_t* dl, acc_t* q, acc_t* inv, acc_t* g,
-                             acc_t* tt, int64_t m_rt, int64_t iters) {
+void sinkhorn_lanes(const acc_t* l, acc_t* q, acc_t* inv, int64_t m_rt, int64_t iters, bool keep) {
   const int64_t m = M > 0 ? M : m_rt, mm = m * m;
-  sinkhorn_token<M>(l, q, inv, m, iters, true);
-  for (int64_t k = 0; k < mm; ++k) g[k] = grad[k];
+  alignas(64) acc_t mx[kLanes];
+  for (int64_t v = 0; v < kLanes; ++v) mx[v] = l[v];
+  for (int64_t k = 1; k < mm; ++k)
+#pragma omp simd
+    for (int64_t v = 0; v < kLanes; ++v) mx[v] = std::max(mx[v], l[k * kLanes + v]);
+  for (int64_t k = 0; k < mm; ++k)
+    for (int64_t v = 0; v < kLanes; ++v) q[k * kLanes + v] = std::exp(l[k * kLanes + v] - mx[v]);
+  acc_t* cur = q;
+  for (int64_t t = 0; t < iters; ++t) {
+    for (int half = 0; half < 2; ++half) {  // rows (P ← P / s), then columns (P ← P / c)
+      acc_t* nxt = keep ? cur + mm * kLanes : cur;
+      acc_t* sums = keep ? inv + (2 * t + half) * m * kLanes : inv;
+      for (int64_t a = 0; a < m; ++a) {  // row a, or column a
+        acc_t* s = sums + a * kLanes;
+        const int64_t first = half == 0 ? a * m : a, stride = half == 0 ? 1 : m;
+#pragma omp simd
+        for (int64_t v = 0; v < kLanes; ++v) s[v] = cur[first * kLanes + v];
+        for (int64_t b = 1; b < m; ++b) {
+          const acc_t* e = cur + (first + b * stride) * kLanes;
+#pragma omp simd
+          for (int64_t v = 0; v < kLanes; ++v) s[v] += e[v];
+        }
+#pragma omp simd
+        for (int64_t v = 0; v < kLanes; ++v) s[v] = acc_t(1) / s[v];
+        for (int64_t b = 0; b < m; ++b) {
+          const int64_t k = (first + b * stride) * kLanes;
+#pragma omp simd
+          for (int64_t v = 0; v < kLanes; ++v) nxt[k + v] = cur[k + v] * s[v];
+        }
+      }
+      cur = nxt;
+    }
+  }
+}
+
+// The backward of kLanes tokens: recompute into q / inv, then walk the steps back from g = ∂H_res
+// [m²][kLanes] (overwritten with ∂L).
+template <int M, class acc_t>
+void sinkhorn_lanes_backward(const acc_t* l, acc_t* g, acc_t* q, acc_t* inv, int64_t m_rt, int64_t iters) {
+  const int64_t m = M > 0 ? M : m_rt, mm = m * m;
+  sinkhorn_lanes<M>(l, q, inv, m, iters, true);
+  alignas(64) acc_t dot[kLanes];
   for (int64_t step = 2 * iters - 1; step >= 0; --step) {
-    const acc_t* out = q + (step + 1) * mm;  // the matrix this step produced
-    const acc_t* s = inv + step * m;
-    if (step % 2 == 1) {  // columns: ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
-      for (int64_t j = 0; j < m; ++j) tt[j] = 0;
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < m; ++j) tt[j] += g[i * m + j] * out[i * m + j];
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - tt[j]) * s[j];
-    } else {  // rows: ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
-      for (int64_t i = 0; i < m; ++i) {
-        acc_t t = 0;
-        for (int64_t j = 0; j < m; ++j) t += g[i * m + j] * out[i * m + j];
-        for (int64_t j = 0; j < m; ++j) g[i * m + j] = (g[i * m + j] - t) * s[i];
+    const acc_t* out = q + (step + 1) * mm * kLanes;  // the matrix this step produced
+    const bool columns = step % 2 == 1;
+    // row step Q_ij = P_ij / s_i:     ∂P_ij = (∂Q_ij − Σ_k ∂Q_ik Q_ik) / s_i
+    // column step Q_ij = P_ij / c_j:  ∂P_ij = (∂Q_ij − Σ_k ∂Q_kj Q_kj) / c_j
+    for (int64_t a = 0; a < m; ++a) {
+      const acc_t* s = inv + (step * m + a) * kLanes;
+      const int64_t first = columns ? a : a * m, stride = columns ? m : 1;
+#pragma omp simd
+      for (int64_t v = 0; v < kLanes; ++v) dot[v] = 0;
+      for (int64_t b = 0; b < m; ++b) {
+        const int64_t k = (first + b * stride) * kLanes;
+#pragma omp simd
+        for (int64_t v = 0; v < kLanes; ++v) dot[v] += g[k + v] * out[k + v];
+      }
+      for (int64_t b = 0; b < m; ++b) {
+        const int64_t k = (first + b * stride) * kLanes;
+#pragma omp simd
+        for (int64_t v = 0; v < kLanes; ++v) g[k + v] = (g[k + v] - dot[v]) * s[v];
       }
     }
   }
-  for (int64_t k = 0; k < mm; ++k) dl[k] = g[k] * q[k];  // ∂L = ∂P⁰ ⊙ P⁰
+#pragma omp simd
+  for (int64_t k = 0; k < mm * kLanes; ++k) g[k] *= q[k];  // ∂L = ∂P⁰ ⊙ P⁰
 }
 
 }  // namespace
@@ -385,10 +420,15 @@ at::Tensor mhc_sinkhorn_forward(const at::Tensor& logits, int64_t iters) {
     const scalar_t* lp = L.const_data_ptr<scalar_t>();
     scalar_t* hp = H.mutable_data_ptr<scalar_t>();
     with_fixed_m(m, [&](auto M) {
-      at::parallel_for(0, P, grain(2 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
-        std::vector<scalar_t> inv(m);
-        for (int64_t p = p0; p < p1; ++p)
-          sinkhorn_token<decltype(M)::value>(lp + p * mm, hp + p * mm, inv.data(), m, iters, false);
+      const int64_t groups = (P + kLanes - 1) / kLanes;
+      at::parallel_for(0, groups, std::max<int64_t>(1, grain(2 * iters * mm + mm) / kLanes), [&](int64_t g0, int64_t g1) {
+        std::vector<scalar_t> l(mm * kLanes), q(mm * kLanes), inv(m * kLanes);
+        for (int64_t group = g0; group < g1; ++group) {
+          const int64_t p = group * kLanes, w = std::min(kLanes, P - p);
+          load_lanes(lp + p * mm, l.data(), mm, w);
+          sinkhorn_lanes<decltype(M)::value>(l.data(), q.data(), inv.data(), m, iters, false);
+          store_lanes(q.data(), hp + p * mm, mm, w);
+        }
       });
     });
   });
@@ -407,11 +447,17 @@ at::Tensor mhc_sinkhorn_backward(const at::Tensor& grad, const at::Tensor& logit
     const scalar_t *lp = L.const_data_ptr<scalar_t>(), *gp = G.const_data_ptr<scalar_t>();
     scalar_t* dp = dL.mutable_data_ptr<scalar_t>();
     with_fixed_m(m, [&](auto M) {
-      at::parallel_for(0, P, grain(5 * iters * mm + mm), [&](int64_t p0, int64_t p1) {
-        std::vector<scalar_t> q((2 * iters + 1) * mm), inv(2 * iters * m + 1), g(mm), tt(m);
-        for (int64_t p = p0; p < p1; ++p)
-          sinkhorn_token_backward<decltype(M)::value>(lp + p * mm, gp + p * mm, dp + p * mm, q.data(), inv.data(),
-                                                      g.data(), tt.data(), m, iters);
+      const int64_t groups = (P + kLanes - 1) / kLanes;
+      at::parallel_for(0, groups, std::max<int64_t>(1, grain(5 * iters * mm + mm) / kLanes), [&](int64_t g0, int64_t g1) {
+        std::vector<scalar_t> l(mm * kLanes), g(mm * kLanes), q((2 * iters + 1) * mm * kLanes),
+            inv(std::max<int64_t>(2 * iters, 1) * m * kLanes);
+        for (int64_t group = g0; group < g1; ++group) {
+          const int64_t p = group * kLanes, w = std::min(kLanes, P - p);
+          load_lanes(lp + p * mm, l.data(), mm, w);
+          load_lanes(gp + p * mm, g.data(), mm, w);
+          sinkhorn_lanes_backward<decltype(M)::value>(l.data(), g.data(), q.data(), inv.data(), m, iters);
+          store_lanes(g.data(), dp + p * mm, mm, w);
+        }
       });
     });
   });
