@@ -110,9 +110,19 @@ assert 'depthkit::dar_read_backward' in runs['dar'], runs['dar'].keys()
 assert all(0 <= p['self_ms_per_step'] <= p['total_ms_per_step'] + 1e-9 for r in runs.values() for p in r.values())
 " || fail "bench --profile"
 # Every fused operator timed against its reference.
-"$DK" bench --ops tiny --steps 1 --json \
-  | python3 -c "import json,sys; r=json.load(sys.stdin); assert len(r['ops'])>=7 and all(o['fused_ms']>0 for o in r['ops']) and r['bandwidth'][0]['copy_gbs']>0, r" \
-  || fail "bench --ops"
+# Each reports the bytes its fused form must move (depth_read at the tiny shapes, N = 5, P = 4096,
+# d = 128: (3N + 2)·P·d floats) and the speedup it would have at copy speed; only mhc_pre has work
+# that fusion cannot remove (its GEMMs).
+"$DK" bench --ops tiny --steps 1 --json | python3 -c "
+import json, sys
+r = json.load(sys.stdin)
+ops = {o['op']: o for o in r['ops']}
+assert len(ops) >= 7 and all(o['fused_ms'] > 0 and o['bytes'] > 0 for o in ops.values()), r
+assert ops['depth_read']['bytes'] == 4 * 17 * 4096 * 128, ops['depth_read']
+assert all(o['copy_bound_speedup'] > 0 and abs(o['gbs'] - o['bytes'] / o['fused_ms'] / 1e6) < 1e-6 * o['gbs'] for o in ops.values()), r
+assert ops['mhc_pre']['irreducible_ms'] > 0 and all(o['irreducible_ms'] == 0 for k, o in ops.items() if k != 'mhc_pre'), r
+assert r['bandwidth'][0]['copy_gbs'] > 0, r
+" || fail "bench --ops"
 
 # The fused operators follow the reference compositions through training, for every kind
 # (bench/parity: losses step by step, within its float32 tolerance; a wrong gradient moves

@@ -55,18 +55,23 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
     nlohmann::json j = {{"ops", nlohmann::json::array()}, {"bandwidth", nlohmann::json::array()}};
     for (const auto& o : r.ops)
       j["ops"].push_back({{"op", o.op}, {"shape", o.shape}, {"reference_ms", o.reference_ms}, {"fused_ms", o.fused_ms},
-                          {"speedup", o.speedup()}});
+                          {"speedup", o.speedup()}, {"bytes", o.bytes}, {"gbs", o.gbs()},
+                          {"fraction_of_copy", o.gbs() / o.copy_gbs}, {"irreducible_ms", o.irreducible_ms}, {"copy_bound_speedup", o.copy_bound_speedup()}});
     for (const auto& b : r.bandwidth)
       j["bandwidth"].push_back({{"shape", b.shape}, {"bytes", b.bytes}, {"fused_ms", b.fused_ms}, {"gbs", b.gbs()},
                                 {"copy_gbs", b.copy_gbs}, {"fraction_of_copy", b.gbs() / b.copy_gbs}});
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  std::printf("%-12s %-28s %14s %10s %8s   (forward + backward, medians of %lld)\n", "op", "shape", "reference ms",
-              "fused ms", "speedup", (long long)repeats);
+  std::printf("forward + backward, medians of %lld; fused GB/s: the least bytes the fused op must move ÷ its time;\n"
+              "copy bound: the speedup of an op that moved those bytes at the speed of a plain copy (same run),\n"
+              "after the work both must do (mhc_pre: its three GEMMs, timed alone)\n\n",
+              (long long)repeats);
+  std::printf("%-12s %-28s %12s %9s %8s %9s %8s %10s\n", "op", "shape", "reference ms", "fused ms", "speedup",
+              "fused GB/s", "of copy", "copy bound");
   for (const auto& o : r.ops)
-    std::printf("%-12s %-28s %14.3f %10.3f %7.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms, o.fused_ms,
-                o.speedup());
+    std::printf("%-12s %-28s %12.3f %9.3f %7.2fx %9.2f %7.0f%% %9.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms,
+                o.fused_ms, o.speedup(), o.gbs(), 100.0 * o.gbs() / o.copy_gbs, o.copy_bound_speedup());
   std::printf("\nfused depth_read forward bandwidth against a plain copy in the same run:\n");
   for (const auto& b : r.bandwidth)
     std::printf("%-28s %8.3f ms  %6.2f GB/s  copy %6.2f GB/s  %5.1f%% of copy\n", b.shape.c_str(), b.fused_ms, b.gbs(),

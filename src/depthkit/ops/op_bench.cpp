@@ -3,8 +3,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,11 +30,19 @@ struct Shape {
 };
 
 // One operator: a forward + backward of the fused op and of its reference composition, on the
-// same inputs (leaves that require grad; their gradients are dropped before each run).
+// same inputs (leaves that require grad; their gradients are dropped before each run). Each
+// returns the op's outputs, and the backward starts from fixed random cotangents of them, so that
+// the time is the op's alone (a loss such as (out · w).sum() would add its own passes over the
+// outputs, and their backward, to both sides).
 struct Case {
   std::string op;
   std::vector<at::Tensor> leaves;
-  std::function<at::Tensor()> fused, reference;  // scalar losses
+  std::function<std::vector<at::Tensor>()> fused, reference;  // the outputs
+  std::vector<at::Tensor> cotangents;                           // one per output
+  double bytes;                                                 // OpTiming::bytes
+  // The work of the reference that fusion cannot remove, where there is some (mhc_pre: its
+  // three matrix products, which the fused op runs in ATen as well); timed with the others.
+  std::function<void()> irreducible = nullptr;
 };
 
 double median(std::vector<double> v) {
@@ -48,69 +58,90 @@ double time_ms(Fn&& fn) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double run(const Case& c, const std::function<at::Tensor()>& loss) {
+double run(const Case& c, const std::function<std::vector<at::Tensor>()>& op) {
   for (const auto& t : c.leaves) t.mutable_grad().reset();
-  return time_ms([&] { loss().backward(); });
+  return time_ms([&] { torch::autograd::backward(op(), c.cotangents); });
 }
 
 std::vector<Case> cases(const Shape& s, at::Generator& g) {
+  using Outputs = std::vector<at::Tensor>;
   const int64_t N = s.N, P = s.P, d = s.d;
   auto leaf = [&](at::IntArrayRef shape, double scale = 1.0) { return (at::randn(shape, g) * scale).requires_grad_(); };
-  auto weight = [&](at::IntArrayRef shape) { return at::randn(shape, g); };  // a random cotangent
+  auto cotangent = [&](at::IntArrayRef shape) { return at::randn(shape, g); };
+  const double F = sizeof(float);  // float32 storage
   std::vector<Case> out;
   {  // AttnRes's completed read: keys = values = the sources.
-    at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d}), w = weight({P, d});
+    at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d});
     out.push_back({"depth_read", {q, src},
-                   [=] { return (std::get<0>(fused::depth_read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0] * w).sum(); },
-                   [=] { return (depth_read(q, src, src).out * w).sum(); }});
+                   [=] { return Outputs{std::get<0>(fused::depth_read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; },
+                   [=] { return Outputs{depth_read(q, src, src).out}; },
+                   {cotangent({P, d})},
+                   // forward: sources in, out; backward: ∂out and sources in, ∂sources out
+                   F * (3 * N + 2) * P * d});
   }
   {  // The merge of the block's partial (key = value = the partial sum).
-    at::Tensor o = leaf({P, d}), lse = leaf({P}), q = leaf({d}, 0.5), part = leaf({P, d}), w = weight({P, d});
+    at::Tensor o = leaf({P, d}), lse = leaf({P}), q = leaf({d}, 0.5), part = leaf({P, d});
     out.push_back({"depth_merge", {o, lse, q, part},
-                   [=] { return (fused::depth_merge(o, lse, q, part, at::Tensor(), kKeyNormEps) * w).sum(); },
-                   [=] { return (merge_partial({o, lse}, q, part, part) * w).sum(); }});
+                   [=] { return Outputs{fused::depth_merge(o, lse, q, part, at::Tensor(), kKeyNormEps)}; },
+                   [=] { return Outputs{merge_partial({o, lse}, q, part, part)}; },
+                   {cotangent({P, d})},
+                   // forward: out, partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
+                   F * 8 * P * d});
   }
   {  // DAR's read of both streams with the partial and the gates.
     std::vector<at::Tensor> t = {leaf({2, d}, 0.5),   leaf({N, P, d}),        leaf({N, P, d}), leaf({P, d}),
                                  leaf({P, d}),        leaf({2, 2 * d}, 0.05), leaf({2}),       leaf({2, 2 * d}, 0.05),
                                  leaf({2})};
-    at::Tensor w = weight({P, d}), wb = weight({P, 2});
-    auto loss = [=](auto read) {
+    auto outputs = [=](auto read) {
       return [=] {
         fused::DarRead r = read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
-        return (r.h * w).sum() + (r.beta * wb).sum();
+        return Outputs{r.h, r.beta};
       };
     };
-    out.push_back({"dar_read", t, loss(fused::dar_read), loss(reference::dar_read)});
+    out.push_back({"dar_read", t, outputs(fused::dar_read), outputs(reference::dar_read),
+                   {cotangent({P, d}), cotangent({P, 2})},
+                   // forward: both streams' N + 1 candidates in, h; backward: ∂h, the candidates in,
+                   // their gradients
+                   F * (6 * N + 8) * P * d});
   }
   {  // DAR's gated write with the transport M(ρ).
     std::vector<at::Tensor> t = {leaf({P, d}), (at::rand({P, 2}, g) * 2).requires_grad_(), leaf({P, d}), leaf({P, d}),
                                  leaf({1, 2 * d}, 0.05), leaf({1})};
-    at::Tensor w0 = weight({P, d}), w1 = weight({P, d});
-    auto loss = [=](auto write) {
+    auto outputs = [=](auto write) {
       return [=] {
         auto [p0, p1] = write(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
-        return (p0 * w0).sum() + (p1 * w1).sum();
+        return Outputs{p0, p1};
       };
     };
-    out.push_back({"dar_write", t, loss(fused::dar_write), loss(reference::dar_write)});
+    out.push_back({"dar_write", t, outputs(fused::dar_write), outputs(reference::dar_write),
+                   {cotangent({P, d}), cotangent({P, d})},
+                   // forward: f, P⁰, P¹ in, P'⁰, P'¹; backward: ∂P'⁰, ∂P'¹, f, P⁰, P¹ in, ∂f, ∂P⁰, ∂P¹
+                   F * 13 * P * d});
   }
   {  // mHC (m = 4 streams): the pre-mix, Sinkhorn–Knopp (20 rounds) and the post + res merge.
     const int64_t m = 4, n = m * m + 2 * m;
     std::vector<at::Tensor> t = {leaf({P, m, d}), leaf({n, m * d}, 0.02), leaf({n}), leaf({3}, 0.5)};
-    at::Tensor wh = weight({P, d}), wp = weight({P, m}), wr = weight({P, m, m});
-    auto pre_loss = [=](const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) {
-      return (std::get<0>(r) * wh).sum() + (std::get<1>(r) * wp).sum() + (std::get<2>(r) * wr).sum();
+    auto pre = [](const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) {
+      return Outputs{std::get<0>(r), std::get<1>(r), std::get<2>(r)};
     };
-    out.push_back({"mhc_pre", t, [=] { return pre_loss(fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps)); },
-                   [=] { return pre_loss(mhc_pre_reference(t[0], t[1], t[2], t[3])); }});
+    out.push_back({"mhc_pre", t, [=] { return pre(fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps)); },
+                   [=] { return pre(mhc_pre_reference(t[0], t[1], t[2], t[3])); },
+                   {cotangent({P, d}), cotangent({P, m}), cotangent({P, m, m})},
+                   // forward: x in, h; backward: ∂h, x in, ∂x (the n-wide logits are small)
+                   F * (3 * m + 2) * P * d,
+                   // u = x φᵀ, and its backward ∂x = ∂u φ and ∂φ = ∂uᵀ x
+                   [X = t[0].detach().view({P, m * d}), phi = t[1].detach(), du = cotangent({P, n})] {
+                     at::Tensor u = at::mm(X, phi.t()), dx = at::mm(du, phi), dphi = at::mm(du.t(), X);
+                   }});
     at::Tensor logits = leaf({P, m, m});
-    out.push_back({"mhc_sinkhorn", {logits}, [=] { return (fused::mhc_sinkhorn(logits, 20) * wr).sum(); },
-                   [=] { return (mhc_sinkhorn_reference(logits, 20) * wr).sum(); }});
+    out.push_back({"mhc_sinkhorn", {logits}, [=] { return Outputs{fused::mhc_sinkhorn(logits, 20)}; },
+                   [=] { return Outputs{mhc_sinkhorn_reference(logits, 20)}; }, {cotangent({P, m, m})},
+                   F * 5 * P * m * m});  // forward: logits in, H out; backward: ∂H, logits in, ∂logits
     std::vector<at::Tensor> u = {leaf({P, m, d}), leaf({P, d}), leaf({P, m}), leaf({P, m, m})};
-    at::Tensor wx = weight({P, m, d});
-    out.push_back({"mhc_merge", u, [=] { return (fused::mhc_merge(u[0], u[1], u[2], u[3]) * wx).sum(); },
-                   [=] { return (mhc_merge_reference(u[0], u[1], u[2], u[3]) * wx).sum(); }});
+    out.push_back({"mhc_merge", u, [=] { return Outputs{fused::mhc_merge(u[0], u[1], u[2], u[3])}; },
+                   [=] { return Outputs{mhc_merge_reference(u[0], u[1], u[2], u[3])}; }, {cotangent({P, m, d})},
+                   // forward: x, f in, x'; backward: ∂x', x, f in, ∂x, ∂f
+                   F * (5 * m + 3) * P * d});
   }
   return out;
 }
@@ -147,17 +178,21 @@ OpBenchReport bench_ops(const std::string& shapes, int64_t repeats) {
   OpBenchReport report;
   for (const Shape& s : all) {
     for (const Case& c : cases(s, g)) {
-      std::vector<double> fused_ms, reference_ms;
+      std::vector<double> fused_ms, reference_ms, irreducible_ms;
       for (int64_t i = 0; i <= repeats; ++i) {  // interleaved; the first round is a warm-up
         const double f = run(c, c.fused), r = run(c, c.reference);
+        const double k = c.irreducible ? time_ms(c.irreducible) : 0.0;
         if (i > 0) {
           fused_ms.push_back(f);
           reference_ms.push_back(r);
+          irreducible_ms.push_back(k);
         }
       }
-      report.ops.push_back({c.op, s.label(), median(reference_ms), median(fused_ms)});
+      report.ops.push_back({c.op, s.label(), median(reference_ms), median(fused_ms), c.bytes, median(irreducible_ms)});
     }
     report.bandwidth.push_back(bandwidth(s, g, repeats));
+    for (OpTiming& o : report.ops)
+      if (o.shape == s.label()) o.copy_gbs = report.bandwidth.back().copy_gbs;
   }
   return report;
 }

@@ -13,7 +13,19 @@ struct OpTiming {
   std::string op;     // e.g. "depth_read"
   std::string shape;  // e.g. "tiny: N=5 P=4096 d=128"
   double reference_ms = 0, fused_ms = 0;  // medians, forward + backward
+  // What the fused forward + backward must move at the least: each input and output of the
+  // forward, and each input and gradient of the backward, once (storage types).
+  double bytes = 0;
+  // The median time of what both must do and fusion cannot remove (mhc_pre: three GEMMs), or 0.
+  double irreducible_ms = 0;
+  double copy_gbs = 0;  // a plain copy at this shape, same run (ReadBandwidth)
   double speedup() const { return reference_ms / fused_ms; }
+  double gbs() const { return bytes / (fused_ms * 1e-3) / 1e9; }
+  // The speedup of an op that moved `bytes` at copy speed (plus the irreducible work): the most
+  // fusion can give where the op is bound by memory.
+  double copy_bound_speedup() const {
+    return reference_ms / (irreducible_ms + bytes / (copy_gbs * 1e9) * 1e3);
+  }
 };
 
 struct ReadBandwidth {

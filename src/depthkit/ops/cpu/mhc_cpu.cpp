@@ -122,40 +122,53 @@ void merge_streams(scalar_t* out, const acc_t* post, const acc_t* H, const scala
     }
   }
 }
-// The four dots of one G_j with x_0 … x_3 and with f in one pass (m = 4): s = (G_j·f, G_j·x_i).
-template <class acc_t, class scalar_t>
-void dots4(acc_t* s, const scalar_t* g, const scalar_t* xs, const scalar_t* f, int64_t d) {
-  acc_t sf = 0, s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : sf, s0, s1, s2, s3)
-  for (int64_t e = 0; e < d; ++e) {
-    const acc_t ge = acc_t(g[e]);
-    sf += ge * acc_t(f[e]);
-    s0 += ge * acc_t(xs[e]);
-    s1 += ge * acc_t(xs[d + e]);
-    s2 += ge * acc_t(xs[2 * d + e]);
-    s3 += ge * acc_t(xs[3 * d + e]);
-  }
-  s[0] = sf, s[1] = s0, s[2] = s1, s[3] = s2, s[4] = s3;
-}
-// df[e] = Σ_j post[j] G_j[e],  dx_i[e] = Σ_j H[i, j] G_j[e]                    (eq. 5, backward)
+// The whole backward of one token in one pass over d (eq. 5):
+//   df[e] = Σ_j post[j] G_j[e],  dx_i[e] = Σ_j H[i, j] G_j[e],
+//   dpost[j] = G_j · f,  dres[i, j] = G_j · x_i.
+// The M + M² dot products run side by side, kLanes partial sums each (kernel_math.h), so each of
+// G, x and f is loaded once per position instead of once per dot.
 template <int M, class acc_t, class scalar_t>
-void merge_streams_backward(scalar_t* dx, scalar_t* df, const acc_t* post, const acc_t* H, const scalar_t* gs,
-                            int64_t d) {
+void merge_streams_backward(scalar_t* dx, scalar_t* df, acc_t* dpost, acc_t* dres, const acc_t* post, const acc_t* H,
+                            const scalar_t* gs, const scalar_t* xs, const scalar_t* f, int64_t d) {
   acc_t pl[M], Hl[M * M];
   for (int i = 0; i < M; ++i) pl[i] = post[i];
   for (int k = 0; k < M * M; ++k) Hl[k] = H[k];
-#pragma omp simd
-  for (int64_t e = 0; e < d; ++e) {
-    acc_t gv[M];
+  acc_t sf[M][kLanes] = {}, sx[M * M][kLanes] = {};
+  auto position = [&](int64_t e, int64_t u) {
+    acc_t gv[M], xv[M];
     for (int j = 0; j < M; ++j) gv[j] = acc_t(gs[j * d + e]);
+    for (int i = 0; i < M; ++i) xv[i] = acc_t(xs[i * d + e]);
+    const acc_t fv = acc_t(f[e]);
     acc_t a = 0;
-    for (int j = 0; j < M; ++j) a += pl[j] * gv[j];
+    for (int j = 0; j < M; ++j) {
+      a += pl[j] * gv[j];
+      sf[j][u] += gv[j] * fv;
+    }
     df[e] = scalar_t(a);
     for (int i = 0; i < M; ++i) {
       acc_t b = 0;
-      for (int j = 0; j < M; ++j) b += Hl[i * M + j] * gv[j];
+      for (int j = 0; j < M; ++j) {
+        b += Hl[i * M + j] * gv[j];
+        sx[i * M + j][u] += gv[j] * xv[i];
+      }
       dx[i * d + e] = scalar_t(b);
     }
+  };
+  int64_t e0 = 0;
+  for (; e0 + kLanes <= d; e0 += kLanes) {
+#pragma omp simd
+    for (int64_t u = 0; u < kLanes; ++u) position(e0 + u, u);
+  }
+  for (int64_t e = e0; e < d; ++e) position(e, e - e0);
+  for (int j = 0; j < M; ++j) {
+    acc_t s = 0;
+    for (int64_t u = 0; u < kLanes; ++u) s += sf[j][u];
+    dpost[j] = s;
+  }
+  for (int k = 0; k < M * M; ++k) {
+    acc_t s = 0;
+    for (int64_t u = 0; u < kLanes; ++u) s += sx[k][u];
+    dres[k] = s;
   }
 }
 
@@ -548,17 +561,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_merge_backward(co
         const scalar_t* gs = gp + p * md;
         const acc_t* H = rp + p * m * m;
         const acc_t* hp = pp + p * m;
-        // ∂H_post[j] = G_j · f, ∂H_res[i, j] = G_j · x_i
         if (m == 4) {
-          for (int64_t j = 0; j < 4; ++j) {
-            acc_t sd[5];
-            dots4(sd, gs + j * d, xs, fs, d);
-            dpp[p * 4 + j] = sd[0];
-            for (int64_t i = 0; i < 4; ++i) drp[p * 16 + i * 4 + j] = sd[1 + i];
-          }
-          merge_streams_backward<4>(dxp + p * md, dfp + p * d, hp, H, gs, d);
+          merge_streams_backward<4>(dxp + p * md, dfp + p * d, dpp + p * 4, drp + p * 16, hp, H, gs, xs, fs, d);
           continue;
         }
+        // ∂H_post[j] = G_j · f, ∂H_res[i, j] = G_j · x_i
         for (int64_t j = 0; j < m; ++j) {
           dpp[p * m + j] = dot<acc_t>(gs + j * d, fs, d);
           for (int64_t i = 0; i < m; ++i) drp[p * m * m + i * m + j] = dot<acc_t>(gs + j * d, xs + i * d, d);

@@ -22,6 +22,10 @@
 // Query and tap gradients are sums over tokens: one partial sum per thread, added at the end.
 // Taps after a kernel's last nonzero tap (the zero padding of the shorter kernels) are skipped in
 // the expansion and in ∂x, which is exact; ∂c is computed for all K taps.
+// The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
+// register blocks (window_block): 4 rows × 16 values of d summed in registers, each tap (or
+// source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
+// thread's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per row s, one update of ∂x_s per tile.
 //
 // Merge-fuse forward, per token: with the partial p (bank c'),
 //   v_r = expansion of p,  a_r = s_r (q_r·v_r),  λ_r = σ(ζ_r − a_r),
@@ -43,7 +47,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "depthkit/ops/cpu/kernel_math.h"
@@ -85,43 +91,151 @@ void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int6
   }
 }
 
-// The transpose of `expand`: ∂x_{t−δ} += c_δ ⊙ ∂v (into gx_t, row t of the acc-typed gradient;
-// nothing to add for zero taps δ ≥ used) and ∂c_δ += ∂v ⊙ x_{t−δ} for every δ < K (into gc [K, d],
-// a per-thread partial sum: zero taps have gradients too).
-template <class acc_t, class scalar_t>
-void expand_backward(const acc_t* dv, acc_t* gx_t, acc_t* gc, const scalar_t* x_t, const acc_t* taps, int64_t used,
-                     int64_t K, int64_t t, int64_t d) {
-  if (taps == nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) gx_t[i] += dv[i];
-    return;
+// The convolution and its two transposes are all windowed sums over rows of d values,
+//   out_j (+)= Σ_{k<nk} a_k ⊙ b_{j+σk}
+// (expansion: j = t, k = δ, a = taps, b = x, σ = −1; ∂x: j = s, k = δ, a = taps, b = ∂v, σ = +1;
+// ∂c: j = δ, k = s, a = x, b = ∂v, σ = +1). They run in register blocks of J rows × one chunk of
+// W values of d: the J·W sums stay in registers across k and each a_k is loaded once for the J
+// rows, so a multiply-add costs about one load, where a running sum in memory costs two loads and
+// a store per multiply-add (and the tap gradient one read-modify-write per token).
+constexpr int64_t kRows = 4;  // J: 4 rows × 16 float32 = 8 AVX2 accumulators, with room for a_k and b
+template <class acc_t>
+constexpr int64_t kChunk = 64 / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
+// Tokens per tile of the blocked kernels: the expansions of a tile (N·kTile·d values in the read
+// backward) stay in cache, and the K − 1 rows that the transposes reach outside it are a small part.
+constexpr int64_t kTile = 32;
+
+// One register of the blocked kernels: 8 float32 or 4 float64 (an AVX2 register), as a GCC/Clang
+// vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
+// a load and a store per multiply-add again.)
+template <class acc_t>
+struct Reg {
+  typedef acc_t type __attribute__((vector_size(32)));
+  static constexpr int64_t lanes = 32 / int64_t(sizeof(acc_t));
+};
+
+// One register's worth of p in the accumulation type (bfloat16: its bits are the high half of the float32's).
+template <class acc_t, class S>
+inline typename Reg<acc_t>::type load(const S* p) {
+  typename Reg<acc_t>::type v;
+  if constexpr (std::is_same_v<S, acc_t>) {
+    std::memcpy(&v, p, sizeof v);
+  } else if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<acc_t, float>) {
+    typedef uint16_t half_bits __attribute__((vector_size(16)));
+    typedef uint32_t bits __attribute__((vector_size(32)));
+    half_bits h;
+    std::memcpy(&h, p, sizeof h);
+    const bits w = __builtin_convertvector(h, bits) << 16;
+    std::memcpy(&v, &w, sizeof v);
+  } else {
+    for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) v[l] = acc_t(p[l]);
   }
-  const int64_t taps_used = std::min<int64_t>(used, t + 1), taps_all = std::min<int64_t>(K, t + 1);
-  for (int64_t delta = 0; delta < taps_used; ++delta) {
-    const scalar_t* x = x_t - delta * d;
-    const acc_t* c = taps + delta * d;
-    acc_t* gx = gx_t - delta * d;
-    acc_t* g = gc + delta * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) {
-      gx[i] += c[i] * dv[i];
-      g[i] += dv[i] * acc_t(x[i]);
+  return v;
+}
+
+// One block: J rows of out (d apart) on the kChunk columns where out, a and b point.
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+inline void window_block(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  using V = typename Reg<acc_t>::type;
+  constexpr int64_t n = Reg<acc_t>::lanes, R = kChunk<acc_t> / n;
+  V acc[J][R];
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t e = 0; e < R; ++e) acc[j][e] = add ? load<acc_t>(out + j * d + e * n) : V{};
+  for (int64_t k = 0; k < nk; ++k) {
+    V ak[R];
+    for (int64_t e = 0; e < R; ++e) ak[e] = load<acc_t>(a + k * d + e * n);
+    for (int64_t j = 0; j < J; ++j) {
+      const Bv* bj = b + (j + sigma * k) * d;
+      for (int64_t e = 0; e < R; ++e) acc[j][e] += ak[e] * load<acc_t>(bj + e * n);
     }
   }
-  for (int64_t delta = taps_used; delta < taps_all; ++delta) {
-    const scalar_t* x = x_t - delta * d;
-    acc_t* g = gc + delta * d;
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t e = 0; e < R; ++e) std::memcpy(out + j * d + e * n, &acc[j][e], sizeof(V));
+}
+
+// The same on the one column where out, a and b point (the columns left when d is not a multiple of kChunk).
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+inline void window_column(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  for (int64_t j = 0; j < J; ++j) {
+    acc_t acc = add ? out[j * d] : acc_t(0);
+    for (int64_t k = 0; k < nk; ++k) acc += acc_t(a[k * d]) * acc_t(b[(j + sigma * k) * d]);
+    out[j * d] = acc;
+  }
+}
+
+// J rows over all of d: chunks of kChunk columns, then the columns left one by one.
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+void window(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  constexpr int64_t W = kChunk<acc_t>;
+  int64_t i0 = 0;
+  for (; i0 + W <= d; i0 += W) window_block<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
+  for (; i0 < d; ++i0) window_column<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
+}
+
+// `rows` rows: blocks of kRows, then the rows left one by one.
+template <int64_t sigma, bool add, class acc_t, class A, class Bv>
+void window_rows(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t rows, int64_t d) {
+  int64_t j = 0;
+  for (; j + kRows <= rows; j += kRows) window<kRows, sigma, add>(out + j * d, a, b + j * d, nk, d);
+  for (; j < rows; ++j) window<1, sigma, add>(out + j * d, a, b + j * d, nk, d);
+}
+
+// `expand` for the nt tokens t0, t0 + 1, … of one batch row, into the rows of E [nt, d]; x0 points
+// at row t0. The first used − 1 tokens of a batch row reach before position 0: they go one by one.
+template <class acc_t, class scalar_t>
+void expand_tile(acc_t* E, const scalar_t* x0, const acc_t* taps, int64_t used, int64_t t0, int64_t nt, int64_t d) {
+  if (taps == nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) g[i] += dv[i] * acc_t(x[i]);
+    for (int64_t i = 0; i < nt * d; ++i) E[i] = acc_t(x0[i]);
+    return;
+  }
+  int64_t j = 0;
+  for (; j < nt && t0 + j + 1 < used; ++j) expand(E + j * d, x0 + j * d, taps, used, t0 + j, d);
+  window_rows<-1, false>(E + j * d, taps, x0 + j * d, used, nt - j, d);
+}
+
+// The transpose of `expand_tile` for the tokens t0 ≤ t < t1 of one batch row: dv0 points at the ∂v
+// of token t0 in a buffer with K − 1 zero rows before and after the tile's; x0 and gx0 at row 0 of
+// the batch row (∂x in the accumulation type); gc [K, d] a per-thread partial sum. Then
+//   ∂x_s += Σ_{δ<used} c_δ ⊙ ∂v_{s+δ}   for t0 − (used − 1) ≤ s < t1, s ≥ 0 (nothing to add for
+//            the zero taps δ ≥ used),
+//   ∂c_δ += Σ_s ∂v_{s+δ} ⊙ x_s          for every δ < K (zero taps have gradients too),
+// with the zero rows standing in for ∂v outside the tile, so that neither sum has bounds inside.
+template <class acc_t, class scalar_t>
+void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_t* x0, const acc_t* taps,
+                          int64_t used, int64_t K, int64_t t0, int64_t t1, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < (t1 - t0) * d; ++i) gx0[t0 * d + i] += dv0[i];
+    return;
+  }
+  if (used > 0) {
+    const int64_t s0 = std::max<int64_t>(0, t0 - (used - 1));
+    window_rows<+1, true>(gx0 + s0 * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
+  }
+  // Blocks of taps δ0 ≤ δ < δ0 + J (J ≤ K − δ0, so the rows read stay within the zero rows), each
+  // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0.
+  for (int64_t delta0 = 0; delta0 < K;) {
+    const bool block = delta0 + kRows <= K;
+    const int64_t J = block ? kRows : 1;
+    const int64_t s_lo = std::max<int64_t>(0, t0 - (delta0 + J - 1)), s_hi = t1 - delta0;
+    if (s_hi > s_lo) {
+      const acc_t* b = dv0 + (s_lo + delta0 - t0) * d;
+      if (block)
+        window<kRows, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+      else
+        window<1, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+    }
+    delta0 += J;
   }
 }
 
 // Runs fn(b, t0, t1) over tiles of tokens of every batch row such that no two concurrent tiles
 // touch the same token when each also writes the K − 1 tokens before it: tiles of at least K − 1
-// tokens, even tiles first, then odd ones.
+// tokens (and kTile, the blocked kernels' tile), even tiles first, then odd ones.
 template <class Fn>
-void for_each_tile(int64_t B, int64_t T, int64_t K, int64_t work_per_token, const Fn& fn) {
-  const int64_t tile = std::max<int64_t>({K - 1, 1, std::min<int64_t>(64, grain(work_per_token))});
+void for_each_tile(int64_t B, int64_t T, int64_t K, const Fn& fn) {
+  const int64_t tile = std::max<int64_t>(K - 1, kTile);
   const int64_t tiles = (T + tile - 1) / tile;
   for (int64_t parity = 0; parity < 2; ++parity) {
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
@@ -238,39 +352,43 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
     const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     acc_t* lp = lse.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(N * m * d * (K + 3)), [&](int64_t p0, int64_t p1) {
-      std::vector<acc_t> v(d), acc(m * d), mx(m), Z(m);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t b = p / T, t = p % T;
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        std::fill(mx.begin(), mx.end(), -std::numeric_limits<acc_t>::infinity());
-        std::fill(Z.begin(), Z.end(), acc_t(0));
-        for (int64_t n = 0; n < N; ++n) {
-          const scalar_t* x_t = xp + ((n * B + b) * T + t) * d;
-          for (int64_t r = 0; r < m; ++r) {
-            const int64_t bank = n * (m - 1) + r - 1;
-            expand(v.data(), x_t, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);  // eq. 10
-            const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
-            const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
-            acc_t* u = acc.data() + r * d;
-            if (a > mx[r]) {  // (A.2): rescale what is summed
-              const acc_t scale = std::exp(mx[r] - a);
-              Z[r] *= scale;
-#pragma omp simd
-              for (int64_t i = 0; i < d; ++i) u[i] *= scale;
-              mx[r] = a;
-            }
-            const acc_t w = std::exp(a - mx[r]);
-            Z[r] += w;                      // (A.3)
-            axpy(u, w, v.data(), d);        // (A.4)
-          }
-        }
+    // Tiles of kTile tokens of one batch row. Per stream r: the expansions of every source for the
+    // whole tile (expand_tile, E [N, kTile, d]) with their (Σ v², q·v); then the scores, the
+    // softmax over the sources and out token by token. (The scores of a tile are independent of
+    // one another, so their square roots and exponentials overlap, where an online softmax token by
+    // token waits on each in turn.)
+    const int64_t tiles = (T + kTile - 1) / kTile;
+    at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<acc_t> E(N * kTile * d), a(N * kTile), u(d);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
         for (int64_t r = 0; r < m; ++r) {
-          scalar_t* o = op + (r * P + p) * d;
-          const acc_t* u = acc.data() + r * d;
-          const acc_t inv = acc_t(1) / Z[r];
-          for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(u[i] * inv);  // (A.5)
-          lp[r * P + p] = mx[r] + std::log(Z[r]);
+          const acc_t* qr = qp + r * d;
+          for (int64_t n = 0; n < N; ++n) {
+            acc_t* En = E.data() + n * kTile * d;
+            const int64_t bank = n * (m - 1) + r - 1;
+            expand_tile(En, xp + ((n * B + b) * T + t0) * d, r == 0 ? nullptr : cp + bank * K * d,
+                        r == 0 ? 1 : used[bank], t0, nt, d);  // eq. 10
+            for (int64_t j = 0; j < nt; ++j) {
+              const auto [ss, qv] = square_and_dot(En + j * d, qr, d);
+              a[n * kTile + j] = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
+            }
+          }
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t p = b * T + t0 + j;
+            acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+            for (int64_t n = 0; n < N; ++n) mx = std::max(mx, a[n * kTile + j]);  // (A.2)
+            std::fill(u.begin(), u.end(), acc_t(0));
+            for (int64_t n = 0; n < N; ++n) {
+              const acc_t w = std::exp(a[n * kTile + j] - mx);
+              Z += w;                                        // (A.3)
+              axpy(u.data(), w, E.data() + (n * kTile + j) * d, d);  // (A.4)
+            }
+            scalar_t* o = op + (r * P + p) * d;
+            const acc_t inv = acc_t(1) / Z;
+            for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(u[i] * inv);  // (A.5)
+            lp[r * P + p] = mx + std::log(Z);
+          }
         }
       }
     });
@@ -306,39 +424,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
                 *glp = gl.const_data_ptr<acc_t>();
     acc_t *gxp = gx.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
           *gc_all = gc_parts.mutable_data_ptr<acc_t>();
-    for_each_tile(B, T, K, N * m * d * (3 * K + 6), [&](int64_t b, int64_t t0, int64_t t1) {
+    const int64_t pad = K - 1;  // zero rows of ∂v before and after a tile (expand_backward_tile)
+    for_each_tile(B, T, K, [&](int64_t b, int64_t t0, int64_t t1) {
       const int64_t thread = at::get_thread_num();
       acc_t* gq = gq_all + thread * m * d;
       acc_t* gc = gc_all + thread * N * L * K * d;
-      std::vector<acc_t> V(N * d), s(N), qv(N), w(N), gdotv(N), dv(d);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = b * T + t;
+      // Per sub-tile of kTile tokens and stream r: the expansions of all sources V [N, kTile, d],
+      // per (n, t) s, q·v, w, g·v and per t g·out; then per source ∂v of the tile and its transpose.
+      std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), s(N * kTile), qv(N * kTile),
+          w(N * kTile), gdotv(N * kTile), g_out(kTile);
+      acc_t* dv0 = DV.data() + pad * d;
+      for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
+        const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
+        std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
-          const scalar_t* g = gop + (r * P + p) * d;
-          acc_t g_out = 0;  // g · out = Σ_n w_n (g · v_n)
           for (int64_t n = 0; n < N; ++n) {
-            acc_t* v = V.data() + n * d;
+            acc_t* Vn = V.data() + n * kTile * d;
             const int64_t bank = n * L + r - 1;
-            expand(v, xp + ((n * B + b) * T + t) * d, r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], t, d);
-            const auto [ss, qvn] = square_and_dot(v, qr, d);
-            s[n] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
-            qv[n] = qvn;
-            w[n] = std::exp(s[n] * qv[n] - lp[r * P + p]);
-            gdotv[n] = dot<acc_t>(g, v, d);
-            g_out += w[n] * gdotv[n];
+            expand_tile(Vn, xp + ((n * B + b) * T + u0) * d, r == 0 ? nullptr : cp + bank * K * d,
+                        r == 0 ? 1 : used[bank], u0, nt, d);
+            for (int64_t j = 0; j < nt; ++j) {
+              const int64_t p = b * T + u0 + j, k = n * kTile + j;
+              const auto [ss, qvn, gv] = square_and_two_dots<acc_t>(Vn + j * d, qr, gop + (r * P + p) * d, d);
+              s[k] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+              qv[k] = qvn;
+              w[k] = std::exp(s[k] * qv[k] - lp[r * P + p]);
+              gdotv[k] = gv;
+            }
+          }
+          for (int64_t j = 0; j < nt; ++j) {  // g · out = Σ_n w_n (g · v_n)
+            acc_t go_j = 0;
+            for (int64_t n = 0; n < N; ++n) go_j += w[n * kTile + j] * gdotv[n * kTile + j];
+            g_out[j] = go_j;
           }
           for (int64_t n = 0; n < N; ++n) {
-            const acc_t* v = V.data() + n * d;
-            const acc_t da = w[n] * (gdotv[n] - g_out) + glp[r * P + p] * w[n];
-            const acc_t ds = da * s[n], c_v = da * s[n] * s[n] * s[n] * qv[n] / acc_t(d), wn = w[n];
+            const acc_t* Vn = V.data() + n * kTile * d;
             acc_t* gqr = gq + r * d;
-            for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
-            axpy(gqr, ds, v, d);
-            const int64_t row = (n * B + b) * T + t;
+            for (int64_t j = 0; j < nt; ++j) {
+              const int64_t p = b * T + u0 + j, k = n * kTile + j;
+              const scalar_t* g = gop + (r * P + p) * d;
+              const acc_t* v = Vn + j * d;
+              const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
+              const acc_t ds = da * s[k], c_v = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d), wn = w[k];
+              acc_t* dv = dv0 + j * d;
+#pragma omp simd
+              for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
+              axpy(gqr, ds, v, d);
+            }
+            const int64_t row0 = (n * B + b) * T;
             const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
-            expand_backward(dv.data(), gxp + row * d, gc + bank * K * d, xp + row * d,
-                            r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], K, t, d);
+            expand_backward_tile(dv0, gxp + row0 * d, gc + bank * K * d, xp + row0 * d,
+                                 r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], K, u0, u1, d);
           }
         }
       }
@@ -373,37 +510,45 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
     const acc_t* Wp = A.hpre ? W.const_data_ptr<acc_t>() : nullptr;
     const acc_t* bp = A.hpre ? bias.const_data_ptr<acc_t>() : nullptr;
     scalar_t* hp = h.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, P, grain(m * d * (K + 6) + m * m * d), [&](int64_t p0, int64_t p1) {
-      std::vector<acc_t> v(d), z(m * d), pre(m), hacc(d);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t t = p % T;
-        for (int64_t r = 0; r < m; ++r) {
-          const scalar_t* o_r = op + (r * P + p) * d;
-          acc_t* z_r = z.data() + r * d;
-          if (!A.partial) {
-            for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
-            continue;
-          }
-          expand(v.data(), xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
-          const auto [ss, qv] = square_and_dot(v.data(), qp + r * d, d);
-          const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));                // (A.8)
-          const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
+    // Tiles of kTile tokens of one batch row: the expansions of the partial for the whole tile
+    // (expand_tile, V [m, kTile, d]), then token by token.
+    const int64_t tiles = (T + kTile - 1) / kTile;
+    at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), z(m * d), pre(m), hacc(d);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
+        for (int64_t r = 0; A.partial && r < m; ++r)
+          expand_tile(V.data() + r * kTile * d, xp + (b * T + t0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
+                      r == 0 ? 1 : used[r - 1], t0, nt, d);
+        for (int64_t p = b * T + t0; p < b * T + t0 + nt; ++p) {
+          for (int64_t r = 0; r < m; ++r) {
+            const scalar_t* o_r = op + (r * P + p) * d;
+            acc_t* z_r = z.data() + r * d;
+            if (!A.partial) {
+              for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
+              continue;
+            }
+            const acc_t* v = V.data() + (r * kTile + p - b * T - t0) * d;
+            const auto [ss, qv] = square_and_dot(v, qp + r * d, d);
+            const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));                // (A.8)
+            const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) z_r[i] = lambda * acc_t(o_r[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
-        }
-        if (A.hpre) {  // eq. 13
-          const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), m * d) / acc_t(m * d) + acc_t(eps));
-          for (int64_t j = 0; j < m; ++j) {
-            const acc_t y = dot<acc_t>(Wp + j * m * d, z.data(), m * d);
-            pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(acc_t(alpha) * S * y + bp[j])));
+            for (int64_t i = 0; i < d; ++i) z_r[i] = lambda * acc_t(o_r[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
           }
-        } else {
-          std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
+          if (A.hpre) {  // eq. 13
+            const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), m * d) / acc_t(m * d) + acc_t(eps));
+            for (int64_t j = 0; j < m; ++j) {
+              const acc_t y = dot<acc_t>(Wp + j * m * d, z.data(), m * d);
+              pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(acc_t(alpha) * S * y + bp[j])));
+            }
+          } else {
+            std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
+          }
+          std::fill(hacc.begin(), hacc.end(), acc_t(0));
+          for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[r], z.data() + r * d, d);  // eq. 14
+          scalar_t* h_p = hp + p * d;
+          for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
         }
-        std::fill(hacc.begin(), hacc.end(), acc_t(0));
-        for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[r], z.data() + r * d, d);  // eq. 14
-        scalar_t* h_p = hp + p * d;
-        for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
       }
     });
   };
@@ -447,89 +592,106 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
     acc_t* parts_all = parts.mutable_data_ptr<acc_t>();
     const acc_t al = acc_t(alpha);
     const int64_t md = m * d;
-    for_each_tile(B, T, A.partial ? K : 1, m * d * (3 * K + 8 + 3 * m), [&](int64_t b, int64_t t0, int64_t t1) {
+    const int64_t pad = K - 1, rows = kTile + 2 * pad;  // (K = 1 without a partial)
+    for_each_tile(B, T, A.partial ? K : 1, [&](int64_t b, int64_t t0, int64_t t1) {
       acc_t* gq = parts_all + int64_t(at::get_thread_num()) * stride;
       acc_t* gc = gq + n_q;
       acc_t* gW = gc + n_c;
       acc_t* gb = gW + n_w;  // [m], then α at gb[m]
-      std::vector<acc_t> V(A.partial ? md : 0), z(md), dz(md), s(m), qv(m), lam(m), pre(m), y(m), u(m), dv(d);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t p = b * T + t;
-        const scalar_t* g_p = gp + p * d;
-        // Recompute the merge (A.8–A.10).
-        for (int64_t r = 0; r < m; ++r) {
-          const scalar_t* o_r = op + (r * P + p) * d;
-          acc_t* z_r = z.data() + r * d;
-          if (!A.partial) {
-            for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
-            continue;
-          }
-          acc_t* v = V.data() + r * d;
-          expand(v, xp + p * d, r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], t, d);
-          const auto [ss, qvr] = square_and_dot(v, qp + r * d, d);
-          s[r] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
-          qv[r] = qvr;
-          lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
-          const acc_t l = lam[r];
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) z_r[i] = l * acc_t(o_r[i]) + (acc_t(1) - l) * v[i];
+      // Per sub-tile of kTile tokens: the expansions of the partial V [m, kTile, d] (expand_tile),
+      // then token by token with ∂v into DV [m, kTile + 2(K − 1), d] (K − 1 zero rows either side),
+      // then per stream the transpose (expand_backward_tile).
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)), z(md), dz(md),
+          s(m), qv(m), lam(m), pre(m), y(m), u(m);
+      for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
+        const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
+        for (int64_t r = 0; A.partial && r < m; ++r) {
+          expand_tile(V.data() + r * kTile * d, xp + (b * T + u0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
+                      r == 0 ? 1 : used[r - 1], u0, nt, d);
+          acc_t* dv0 = DV.data() + (r * rows + pad) * d;
+          std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         }
-        // Fusion backward (eq. 13–14) → ∂z.
-        if (A.hpre) {
-          const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), md) / acc_t(md) + acc_t(eps));
-          acc_t uy = 0;
-          for (int64_t j = 0; j < m; ++j) {
-            y[j] = dot<acc_t>(Wp + j * md, z.data(), md);
-            pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(al * S * y[j] + bp[j])));
-            u[j] = dot<acc_t>(g_p, z.data() + j * d, d) * pre[j] * (acc_t(1) - pre[j]);
-            gb[j] += u[j];
-            gb[m] += u[j] * S * y[j];
-            uy += u[j] * y[j];
-          }
-          const acc_t c_z = al * S * S * S * uy / acc_t(md);
+        for (int64_t t = u0; t < u1; ++t) {
+          const int64_t p = b * T + t;
+          const scalar_t* g_p = gp + p * d;
+          // Recompute the merge (A.8–A.10).
           for (int64_t r = 0; r < m; ++r) {
-            acc_t* dz_r = dz.data() + r * d;
-            const acc_t* z_r = z.data() + r * d;
-            const acc_t pr = pre[r];
+            const scalar_t* o_r = op + (r * P + p) * d;
+            acc_t* z_r = z.data() + r * d;
+            if (!A.partial) {
+              for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
+              continue;
+            }
+            const acc_t* v = V.data() + (r * kTile + t - u0) * d;
+            const auto [ss, qvr] = square_and_dot(v, qp + r * d, d);
+            s[r] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+            qv[r] = qvr;
+            lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
+            const acc_t l = lam[r];
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) dz_r[i] = pr * acc_t(g_p[i]) - c_z * z_r[i];
+            for (int64_t i = 0; i < d; ++i) z_r[i] = l * acc_t(o_r[i]) + (acc_t(1) - l) * v[i];
           }
-          for (int64_t j = 0; j < m; ++j) {
-            const acc_t uj = u[j] * al * S;
-            axpy(dz.data(), uj, Wp + j * md, md);
-            axpy(gW + j * md, uj, z.data(), md);
-          }
-        } else {
-          for (int64_t r = 0; r < m; ++r)
-            for (int64_t i = 0; i < d; ++i) dz[r * d + i] = acc_t(g_p[i]) / acc_t(m);
-        }
-        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
-        for (int64_t r = 0; r < m; ++r) {
-          const acc_t* dz_r = dz.data() + r * d;
-          acc_t* go_r = gop + (r * P + p) * d;
-          if (!A.partial) {
-            for (int64_t i = 0; i < d; ++i) go_r[i] = dz_r[i];
-            glp[r * P + p] = 0;
-            continue;
-          }
-          const scalar_t* o_r = op + (r * P + p) * d;
-          const acc_t* v = V.data() + r * d;
-          const acc_t l = lam[r];
-          const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);  // ∂z · ∂z/∂λ = ∂z · (out − v)
-          const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
-          glp[r * P + p] = dzeta;
-          const acc_t da = -dzeta, ds = da * s[r], c_v = da * s[r] * s[r] * s[r] * qv[r] / acc_t(d);
-          const acc_t* qr = qp + r * d;
-          acc_t* gqr = gq + r * d;
+          // Fusion backward (eq. 13–14) → ∂z.
+          if (A.hpre) {
+            const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), md) / acc_t(md) + acc_t(eps));
+            acc_t uy = 0;
+            for (int64_t j = 0; j < m; ++j) {
+              y[j] = dot<acc_t>(Wp + j * md, z.data(), md);
+              pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(al * S * y[j] + bp[j])));
+              u[j] = dot<acc_t>(g_p, z.data() + j * d, d) * pre[j] * (acc_t(1) - pre[j]);
+              gb[j] += u[j];
+              gb[m] += u[j] * S * y[j];
+              uy += u[j] * y[j];
+            }
+            const acc_t c_z = al * S * S * S * uy / acc_t(md);
+            for (int64_t r = 0; r < m; ++r) {
+              acc_t* dz_r = dz.data() + r * d;
+              const acc_t* z_r = z.data() + r * d;
+              const acc_t pr = pre[r];
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) {
-            go_r[i] = l * dz_r[i];
-            dv[i] = (acc_t(1) - l) * dz_r[i] + ds * qr[i] - c_v * v[i];
-            gqr[i] += ds * v[i];
+              for (int64_t i = 0; i < d; ++i) dz_r[i] = pr * acc_t(g_p[i]) - c_z * z_r[i];
+            }
+            for (int64_t j = 0; j < m; ++j) {
+              const acc_t uj = u[j] * al * S;
+              axpy(dz.data(), uj, Wp + j * md, md);
+              axpy(gW + j * md, uj, z.data(), md);
+            }
+          } else {
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t i = 0; i < d; ++i) dz[r * d + i] = acc_t(g_p[i]) / acc_t(m);
           }
-          expand_backward(dv.data(), gxp + p * d, gc + std::max<int64_t>(r - 1, 0) * K * d, xp + p * d,
-                          r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], K, t, d);
+          // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
+          for (int64_t r = 0; r < m; ++r) {
+            const acc_t* dz_r = dz.data() + r * d;
+            acc_t* go_r = gop + (r * P + p) * d;
+            if (!A.partial) {
+              for (int64_t i = 0; i < d; ++i) go_r[i] = dz_r[i];
+              glp[r * P + p] = 0;
+              continue;
+            }
+            const scalar_t* o_r = op + (r * P + p) * d;
+            const acc_t* v = V.data() + (r * kTile + t - u0) * d;
+            acc_t* dv = DV.data() + (r * rows + pad + t - u0) * d;
+            const acc_t l = lam[r];
+            // ∂z · ∂z/∂λ = ∂z · (out − v)
+            const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);
+            const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
+            glp[r * P + p] = dzeta;
+            const acc_t da = -dzeta, ds = da * s[r], c_v = da * s[r] * s[r] * s[r] * qv[r] / acc_t(d);
+            const acc_t* qr = qp + r * d;
+            acc_t* gqr = gq + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) {
+              go_r[i] = l * dz_r[i];
+              dv[i] = (acc_t(1) - l) * dz_r[i] + ds * qr[i] - c_v * v[i];
+              gqr[i] += ds * v[i];
+            }
+          }
         }
+        for (int64_t r = 0; A.partial && r < m; ++r)
+          expand_backward_tile(DV.data() + (r * rows + pad) * d, gxp + b * T * d,
+                               gc + std::max<int64_t>(r - 1, 0) * K * d, xp + b * T * d,
+                               r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], K, u0, u1, d);
       }
     });
   };
