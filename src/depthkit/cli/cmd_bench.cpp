@@ -56,7 +56,8 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
     for (const auto& o : r.ops)
       j["ops"].push_back({{"op", o.op}, {"shape", o.shape}, {"reference_ms", o.reference_ms}, {"fused_ms", o.fused_ms},
                           {"speedup", o.speedup()}, {"bytes", o.bytes}, {"gbs", o.gbs()},
-                          {"fraction_of_copy", o.gbs() / o.copy_gbs}, {"irreducible_ms", o.irreducible_ms}, {"copy_bound_speedup", o.copy_bound_speedup()}});
+                          {"fraction_of_copy", o.gbs() / o.copy_gbs}, {"irreducible_ms", o.irreducible_ms},
+                          {"copy_bound_speedup", o.copy_bound_speedup()}});
     for (const auto& b : r.bandwidth)
       j["bandwidth"].push_back({{"shape", b.shape}, {"bytes", b.bytes}, {"fused_ms", b.fused_ms}, {"gbs", b.gbs()},
                                 {"copy_gbs", b.copy_gbs}, {"fraction_of_copy", b.gbs() / b.copy_gbs}});
