@@ -59,18 +59,6 @@ namespace depthkit::cpu {
 
 namespace {
 
-// (Σ v², Σ q v) in one pass.
-template <class acc_t>
-std::pair<acc_t, acc_t> square_and_dot(const acc_t* v, const acc_t* q, int64_t d) {
-  acc_t ss = 0, qv = 0;
-#pragma omp simd reduction(+ : ss, qv)
-  for (int64_t i = 0; i < d; ++i) {
-    ss += v[i] * v[i];
-    qv += q[i] * v[i];
-  }
-  return {ss, qv};
-}
-
 // Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
 // δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
 // nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
@@ -230,6 +218,20 @@ void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_
   }
 }
 
+// One stream's merge with the partial's expansion v (A.8–A.10), shared by msar_fuse and its
+// backward: a = s (q_r · v) with s = 1/rms(v), λ = σ(ζ_r − a), z = λ out_r + (1 − λ) v.
+// Returns (s, q_r · v, λ), which the backward keeps.
+template <class acc_t, class scalar_t>
+std::tuple<acc_t, acc_t, acc_t> merge_stream(acc_t* z, const scalar_t* out, const acc_t* v, const acc_t* q, acc_t lse,
+                                             int64_t d, double eps) {
+  const auto [ss, qv] = square_and_dot<acc_t>(v, q, d);
+  const acc_t s = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+  const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(s * qv - lse));  // (A.8, A.9)
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) z[i] = lambda * acc_t(out[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
+  return {s, qv, lambda};
+}
+
 // Runs fn(b, t0, t1) over tiles of tokens of every batch row such that no two concurrent tiles
 // touch the same token when each also writes the K − 1 tokens before it: tiles of at least K − 1
 // tokens (and kTile, the blocked kernels' tile), even tiles first, then odd ones.
@@ -370,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
             expand_tile(En, xp + ((n * B + b) * T + t0) * d, r == 0 ? nullptr : cp + bank * K * d,
                         r == 0 ? 1 : used[bank], t0, nt, d);  // eq. 10
             for (int64_t j = 0; j < nt; ++j) {
-              const auto [ss, qv] = square_and_dot(En + j * d, qr, d);
+              const auto [ss, qv] = square_and_dot<acc_t>(En + j * d, qr, d);
               a[n * kTile + j] = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
             }
           }
@@ -528,12 +530,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
               for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
               continue;
             }
-            const acc_t* v = V.data() + (r * kTile + p - b * T - t0) * d;
-            const auto [ss, qv] = square_and_dot(v, qp + r * d, d);
-            const acc_t a = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));                // (A.8)
-            const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[r * P + p]));  // σ(ζ − a) (A.9)
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) z_r[i] = lambda * acc_t(o_r[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
+            merge_stream(z_r, o_r, V.data() + (r * kTile + p - b * T - t0) * d, qp + r * d, lp[r * P + p], d, eps);
           }
           if (A.hpre) {  // eq. 13
             const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), m * d) / acc_t(m * d) + acc_t(eps));
@@ -622,14 +619,8 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
               for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
               continue;
             }
-            const acc_t* v = V.data() + (r * kTile + t - u0) * d;
-            const auto [ss, qvr] = square_and_dot(v, qp + r * d, d);
-            s[r] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
-            qv[r] = qvr;
-            lam[r] = acc_t(1) / (acc_t(1) + std::exp(s[r] * qv[r] - lp[r * P + p]));
-            const acc_t l = lam[r];
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) z_r[i] = l * acc_t(o_r[i]) + (acc_t(1) - l) * v[i];
+            std::tie(s[r], qv[r], lam[r]) =
+                merge_stream(z_r, o_r, V.data() + (r * kTile + t - u0) * d, qp + r * d, lp[r * P + p], d, eps);
           }
           // Fusion backward (eq. 13–14) → ∂z.
           if (A.hpre) {
