@@ -65,6 +65,35 @@ expect_error "nothere: not a checkpoint" -- forward --checkpoint nothere --token
 expect_error "ck: already exists"      -- init --config "$SRC/configs/tiny.toml" --out ck
 expect_error "collinear"               -- init --config "$SRC/configs/tiny.toml" --set residual.kind=dar --set residual.block_sublayers=1 --out ck2
 
+# Issue 14: sizes refused before anything is allocated, files that are not files, values that
+# would overflow or smuggle keys, run directories that are not fresh.
+T=(--config "$SRC/configs/tiny.toml")
+expect_error "beyond this machine's"   -- init "${T[@]}" --set model.vocab_size=1073741824 --set model.d_model=16384 --out big1
+expect_error "beyond this machine's"   -- init "${T[@]}" --set model.d_ff=4194304 --set model.d_model=1048576 --out big2
+[ -e big1 ] || [ -e big2 ] && { echo "FAIL: a refused init left its output"; failures=$((failures + 1)); }
+expect_error "'model.rope_theta' must be a finite number" -- params "${T[@]}" --set model.rope_theta=inf
+expect_error "overflows 64 bits"       -- params "${T[@]}" --set train.steps=0 --set train.tokens=9223372036854775807 --set train.micro_batch=1048576
+expect_error "overflows 64 bits"       -- params "${T[@]}" --set train.micro_batch=1048576 --set train.grad_accum=1048576 --set model.seq_len=16777216
+expect_error "line break"              -- params "${T[@]}" --set "model.n_layers=2
+model.d_model = 64"
+expect_error "'data.dir' must not be empty" -- params "${T[@]}" --set 'data.dir=""'
+expect_error "/dev/zero: not a regular file" -- params --config /dev/zero
+mkdir -p adir
+expect_error "adir: is a directory"    -- params --config adir
+expect_error "adir: is a directory"    -- forward --checkpoint ck --tokens adir --out o.safetensors
+expect_error "/dev/zero: not a regular file" -- forward --checkpoint ck --tokens /dev/zero --out o.safetensors
+printf '1 2 3\n' >ok.txt
+expect_error "adir: is a directory, expected a .safetensors file" -- forward --checkpoint ck --tokens ok.txt --out adir
+[ -z "$(ls adir)" ] || { echo "FAIL: forward --out DIR left files in it"; failures=$((failures + 1)); }
+ls ./*.tmp* >/dev/null 2>&1 && { echo "FAIL: forward left a temporary file"; failures=$((failures + 1)); }
+mkdir -p stale/checkpoints/step_00000005
+expect_error "already has checkpoints" -- train "${T[@]}" --run-dir stale
+[ -d stale/checkpoints/step_00000005 ] && [ ! -e stale/config.toml ] || { echo "FAIL: a refused fresh run changed stale/"; failures=$((failures + 1)); }
+cp -r ck negstep && sed -i 's/"step": 0/"step": -3/' negstep/state.json
+expect_error "state.json: field 'step' must be a non-negative integer, got -3" -- forward --checkpoint negstep --tokens ok.txt --out o.safetensors
+mkdir -p lat/checkpoints && cp -r ck lat/checkpoints/step_00000001 && printf 'step_00000001\0\n' >lat/checkpoints/latest
+expect_error "latest: does not name a checkpoint" -- forward --checkpoint lat --tokens ok.txt --out o.safetensors
+
 # compare, analyze, scaling, cost.
 printf 'base = "%s/configs/tiny.toml"\nsedes = [1]\n[[run]]\nkind = "dar"\n' "$SRC" >spec_key.toml
 printf 'base = "%s/configs/tiny.toml"\n[[run]]\nkind = "dar"\nset = ["train.steps=5"]\n' "$SRC" >spec_budget.toml

@@ -35,12 +35,22 @@ int run_train(const TrainArgs& a) {
   install_stop_signals();
   TrainResult r = train(opt);
   if (r.interrupted) return 128 + (r.signal ? r.signal : 2);  // shell convention: 130 SIGINT, 143 SIGTERM
+  if (r.complete) {
+    const int64_t total = opt.config.total_steps();
+    if (a.json)
+      std::printf("%s\n", nlohmann::json({{"run_dir", opt.run_dir.string()}, {"step", r.step},
+                                          {"total_steps", total}, {"complete", true}}).dump().c_str());
+    std::fprintf(stderr, "%s: the run is complete (step %lld of %lld); nothing to train, nothing changed "
+                 "(raise train.steps or train.tokens with --set to continue it)\n",
+                 opt.run_dir.c_str(), (long long)r.step, (long long)total);
+    return 0;
+  }
   nlohmann::json j = {{"run_dir", opt.run_dir.string()}, {"step", r.step}, {"train_loss", r.last_loss},
                       {"val_loss", r.val_loss}, {"val_ppl", std::exp(r.val_loss)}};
   const fs::path meta = fs::path(opt.config.data.dir) / "meta.json";
-  if (fs::exists(meta)) {
-    auto m = nlohmann::json::parse(read_file(meta), nullptr, false);
-    if (!m.is_discarded() && m.contains("unigram_entropy_nats"))
+  if (fs::is_regular_file(meta)) {  // checked by the trainer before it started
+    auto m = nlohmann::json::parse(read_file(meta, 64u << 20), nullptr, false);
+    if (m.is_object() && m.contains("unigram_entropy_nats") && m["unigram_entropy_nats"].is_number())
       j["unigram_entropy_nats"] = m["unigram_entropy_nats"];
   }
   if (a.json) {

@@ -9,6 +9,7 @@
 #include <variant>
 
 #include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
 
 namespace depthkit {
 
@@ -82,7 +83,7 @@ std::vector<Field> fields(Config& c) {
 
 std::string describe(const toml::node& n) {
   switch (n.type()) {
-    case toml::node_type::string: return "string \"" + std::string(*n.value<std::string>()) + "\"";
+    case toml::node_type::string: return "string \"" + printable(*n.value<std::string>()) + "\"";
     case toml::node_type::integer: return "integer " + std::to_string(*n.value<int64_t>());
     case toml::node_type::floating_point: return cat("float ", *n.value<double>());
     case toml::node_type::boolean: return *n.value<bool>() ? "true" : "false";
@@ -120,6 +121,7 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
         } else if constexpr (std::is_same_v<T, double>) {
           if (!n.is_number()) bad("a number");
           double v = *n.value<double>();
+          if (!std::isfinite(v)) fail(where, ": key '", f.path(), "' must be a finite number, got ", v);
           check_range(v);
           *p = v;
         } else if constexpr (std::is_same_v<T, bool>) {
@@ -150,14 +152,25 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
 }
 
 // Parses the value of a --set override as TOML; bare words are strings (train.device=cpu).
-toml::table parse_override_value(const std::string& value) {
+// A value is one TOML value: a line break in it would let it define further keys, unseen.
+toml::table parse_override_value(const std::string& value, const std::string& where) {
+  if (value.find_first_of("\r\n") != std::string::npos || value.find('\0') != std::string::npos)
+    fail(where.substr(0, where.find_first_of("\r\n")), "...: the value contains a line break or NUL byte; give one value per --set");
   try {
-    return toml::parse("v = " + value);
+    toml::table t = toml::parse("v = " + value);
+    if (t.size() == 1) return t;
   } catch (const toml::parse_error&) {
-    toml::table t;
-    t.insert("v", value);
-    return t;
   }
+  toml::table t;
+  t.insert("v", value);
+  return t;
+}
+
+// a · b, or a failure naming `what` when the product does not fit in 64 bits.
+int64_t checked_mul(int64_t a, int64_t b, const std::string& where, const std::string& what) {
+  int64_t out;
+  if (__builtin_mul_overflow(a, b, &out)) fail(where, ": ", what, " overflows 64 bits (", a, " x ", b, ")");
+  return out;
 }
 
 void validate(const Config& c, const std::string& where) {
@@ -178,6 +191,21 @@ void validate(const Config& c, const std::string& where) {
          r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
+  if (c.data.dir.empty()) fail(where, ": key 'data.dir' must not be empty");
+  // Sizes that are products of keys must fit in 64 bits: tokens per step, tokens over the whole
+  // run, and the largest parameter matrices (their element counts, in bytes).
+  const int64_t tokens_per_step = checked_mul(
+      checked_mul(c.train.micro_batch, c.train.grad_accum, where, "train.micro_batch x train.grad_accum"),
+      m.seq_len, where, "tokens per step (train.micro_batch x train.grad_accum x model.seq_len)");
+  checked_mul(c.total_steps(), tokens_per_step, where,
+              "the run's token count (steps x train.micro_batch x train.grad_accum x model.seq_len)");
+  checked_mul(checked_mul(m.vocab_size, m.d_model, where, "the embedding (model.vocab_size x model.d_model)"), 4,
+              where, "the embedding's bytes (model.vocab_size x model.d_model x 4)");
+  checked_mul(checked_mul(m.d_ff, m.d_model, where, "the feed-forward matrix (model.d_ff x model.d_model)"), 12,
+              where, "the feed-forward matrices' bytes (3 x model.d_ff x model.d_model x 4)");
+  checked_mul(checked_mul(m.n_heads, m.resolved_head_dim(), where, "model.n_heads x model.head_dim"),
+              checked_mul(m.d_model, 4, where, "model.d_model x 4"), where,
+              "the attention projection's bytes (model.n_heads x model.head_dim x model.d_model x 4)");
   if (c.optim.min_lr > c.optim.lr)
     fail(where, ": key 'optim.min_lr' (", c.optim.min_lr, ") must not exceed optim.lr (", c.optim.lr, ")");
 }
@@ -223,7 +251,7 @@ Config Config::parse(const std::string& text, const std::string& source,
     if (dot == std::string::npos) fail(where, ": key '", path, "' must be section.key");
     const Field* f = find(path.substr(0, dot), path.substr(dot + 1));
     if (!f) fail(where, ": unknown key '", path, "'");
-    auto value = parse_override_value(o.substr(eq + 1));
+    auto value = parse_override_value(o.substr(eq + 1), where);
     assign(*f, *value.get("v"), where);
   }
   validate(c, source);
@@ -231,11 +259,7 @@ Config Config::parse(const std::string& text, const std::string& source,
 }
 
 Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream probe(path);
-  if (!probe) fail(path, ": config file not found or unreadable");
-  std::stringstream ss;
-  ss << probe.rdbuf();
-  return parse(ss.str(), path, overrides);
+  return parse(read_file(path, 16u << 20), path, overrides);
 }
 
 std::string Config::to_toml() const {
@@ -264,7 +288,8 @@ std::string Config::to_toml() const {
 
 int64_t Config::total_steps() const {
   if (train.steps > 0) return train.steps;
-  return (train.tokens + tokens_per_step() - 1) / tokens_per_step();
+  const int64_t per_step = tokens_per_step();  // validated to fit in 64 bits
+  return train.tokens / per_step + (train.tokens % per_step != 0);  // ceil, without overflow
 }
 
 }  // namespace depthkit

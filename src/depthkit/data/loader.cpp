@@ -52,8 +52,11 @@ void TokenDataset::read_window(int64_t w, int64_t seq_len, int64_t* dst) const {
       continue;
     }
     const int64_t start = w * seq_len;
+    // Read as uint32 into the int64 buffer's back half, then widen in place from the front.
+    uint32_t* ids = reinterpret_cast<uint32_t*>(dst + seq_len + 1) - (seq_len + 1);
+    s.read(start, seq_len + 1, ids);
     for (int64_t i = 0; i <= seq_len; ++i) {
-      uint32_t t = s[start + i];
+      const uint32_t t = ids[i];
       if (t >= uint64_t(vocab_size_))
         fail(s.path(), ": token id ", t, " at position ", start + i, " is >= vocab_size ", vocab_size_);
       dst[i] = t;

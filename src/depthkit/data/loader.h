@@ -1,4 +1,4 @@
-// Batches of token windows from memory-mapped shards.
+// Batches of token windows read from token shards (pread, see shards.h).
 // A split (train or val) is every `*{split}_*.bin` shard in a directory, in name order. Each
 // shard is cut into non-overlapping windows of T+1 tokens (input and shifted target), never
 // crossing a shard boundary. Training visits the windows of each epoch in a permutation fixed by

@@ -1,7 +1,6 @@
 #include "depthkit/data/shards.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -36,30 +35,39 @@ void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, i
   write_file_atomic(path, bytes);
 }
 
+namespace {
+
+// Reads exactly `bytes` at `offset`; false if the file ends first.
+bool pread_all(int fd, void* dst, size_t bytes, int64_t offset) {
+  char* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    ssize_t n = ::pread(fd, p, bytes, offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    p += n;
+    bytes -= size_t(n);
+    offset += n;
+  }
+  return true;
+}
+
+}  // namespace
+
 Shard::Shard(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) fail(path, ": cannot open shard: ", std::strerror(errno));
-  struct stat st {};
-  ::fstat(fd, &st);
-  const int64_t file_bytes = st.st_size;
-  if (file_bytes < kShardHeaderBytes) {
-    ::close(fd);
-    fail(path, ": truncated shard: ", file_bytes, " bytes, smaller than the 1024-byte header");
-  }
-  map_bytes_ = static_cast<size_t>(file_bytes);
-  map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    fail(path, ": mmap failed: ", std::strerror(errno));
-  }
-  int32_t header[3];
-  std::memcpy(header, map_, sizeof header);
   auto bad = [&](const std::string& what) {
-    ::munmap(map_, map_bytes_);
-    map_ = nullptr;
+    ::close(fd);
     fail(path, ": ", what);
   };
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) bad(cat("cannot stat: ", std::strerror(errno)));
+  if (!S_ISREG(st.st_mode)) bad("not a regular file");
+  const int64_t file_bytes = st.st_size;
+  if (file_bytes < kShardHeaderBytes)
+    bad(cat("truncated shard: ", file_bytes, " bytes, smaller than the 1024-byte header"));
+  int32_t header[3];
+  if (!pread_all(fd, header, sizeof header, 0)) bad("cannot read the header");
   if (header[0] == kShardMagicU16) {
     token_bytes_ = 2;
     if (header[1] != kShardVersionU16)
@@ -79,24 +87,43 @@ Shard::Shard(const std::string& path) : path_(path) {
     bad(cat("truncated shard: header says ", tokens_, " tokens (", expect, " bytes) but the file has ", file_bytes, " bytes"));
   if (file_bytes > expect)
     bad(cat("wrong size: header says ", tokens_, " tokens (", expect, " bytes) but the file has ", file_bytes, " bytes"));
-  body_ = static_cast<const char*>(map_) + kShardHeaderBytes;
-  ::madvise(map_, map_bytes_, MADV_RANDOM);
+  fd_ = fd;
 }
 
 Shard::Shard(Shard&& o) noexcept
-    : path_(std::move(o.path_)), map_(o.map_), map_bytes_(o.map_bytes_), body_(o.body_),
-      tokens_(o.tokens_), token_bytes_(o.token_bytes_) {
-  o.map_ = nullptr;
+    : path_(std::move(o.path_)), fd_(o.fd_), tokens_(o.tokens_), token_bytes_(o.token_bytes_) {
+  o.fd_ = -1;
 }
 
 Shard::~Shard() {
-  if (map_) ::munmap(map_, map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Shard::read(int64_t start, int64_t count, uint32_t* dst) const {
+  if (start < 0 || count < 0 || start + count > tokens_)
+    fail(path_, ": tokens [", start, ", ", start + count, ") outside the shard's ", tokens_);
+  const int64_t offset = kShardHeaderBytes + start * token_bytes_;
+  bool ok;
+  if (token_bytes_ == 4) {
+    ok = pread_all(fd_, dst, size_t(count) * 4, offset);
+  } else {
+    // Read the uint16 ids into the back half of dst, then widen in place from the front.
+    auto* narrow = reinterpret_cast<uint16_t*>(dst + count) - count;
+    ok = pread_all(fd_, narrow, size_t(count) * 2, offset);
+    for (int64_t i = 0; ok && i < count; ++i) dst[i] = narrow[i];
+  }
+  if (!ok) {
+    struct stat st {};
+    ::fstat(fd_, &st);
+    fail(path_, ": shard changed while in use: it now has ", int64_t(st.st_size), " bytes, ",
+         kShardHeaderBytes + tokens_ * token_bytes_, " when opened (do not rewrite shards during a run)");
+  }
 }
 
 std::vector<uint32_t> read_shard(const std::string& path) {
   Shard s(path);
   std::vector<uint32_t> out(s.size());
-  for (int64_t i = 0; i < s.size(); ++i) out[i] = s[i];
+  s.read(0, s.size(), out.data());
   return out;
 }
 

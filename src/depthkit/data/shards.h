@@ -20,7 +20,10 @@ constexpr int64_t kShardHeaderBytes = 256 * 4;
 // else 4-byte tokens.
 void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size);
 
-// A read-only memory-mapped shard. Opening validates the header and the file size.
+// A read-only shard. Opening validates the header and the file size. Tokens are read with
+// pread(2), not through a memory map: a shard that shrinks or is rewritten while a run reads it
+// then fails with a message naming it, where a mapped page past the new end would kill the
+// process with SIGBUS.
 class Shard {
  public:
   explicit Shard(const std::string& path);
@@ -33,16 +36,13 @@ class Shard {
   int64_t size() const { return tokens_; }
   int token_bytes() const { return token_bytes_; }
   const std::string& path() const { return path_; }
-  uint32_t operator[](int64_t i) const {
-    return token_bytes_ == 2 ? static_cast<const uint16_t*>(body_)[i]
-                             : static_cast<const uint32_t*>(body_)[i];
-  }
+  // Tokens [start, start + count) into dst. Throws, naming the shard, if the file no longer
+  // holds them (it was truncated or replaced since it was opened).
+  void read(int64_t start, int64_t count, uint32_t* dst) const;
 
  private:
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const void* body_ = nullptr;
+  int fd_ = -1;
   int64_t tokens_ = 0;
   int token_bytes_ = 2;
 };

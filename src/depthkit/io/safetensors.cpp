@@ -2,7 +2,11 @@
 
 #include <ATen/ops/empty.h>
 
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <tuple>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -28,6 +32,20 @@ std::string dtype_name(at::ScalarType t) {
   fail("safetensors: unsupported dtype ", c10::toString(t));
 }
 
+
+// The 8-byte little-endian length and the JSON header, padded with spaces to 8 bytes (the spec).
+std::string header_bytes(const nlohmann::json& header) {
+  std::string json = header.dump();
+  json.resize((json.size() + 7) / 8 * 8, ' ');
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = char((uint64_t(json.size()) >> (8 * i)) & 0xff);
+  return out + json;
+}
+
+std::string_view tensor_bytes(const at::Tensor& c) {
+  return {static_cast<const char*>(c.const_data_ptr()), size_t(c.numel()) * c.element_size()};
+}
+
 }  // namespace
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
@@ -45,23 +63,54 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     offset += bytes;
     contiguous.push_back(c);
   }
-  std::string json = header.dump();
-  json.resize((json.size() + 7) / 8 * 8, ' ');  // the spec pads the header to 8 bytes
-  std::string out;
-  out.reserve(8 + json.size() + offset);
-  uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) out.push_back(char((n >> (8 * i)) & 0xff));
-  out += json;
-  for (const auto& c : contiguous)
-    out.append(static_cast<const char*>(c.const_data_ptr()), c.numel() * c.element_size());
-  write_file_atomic(path, out);
+  // Written piece by piece: a checkpoint never needs a second copy of the weights in memory.
+  AtomicFile file(path);
+  file.write(header_bytes(header));
+  for (const auto& c : contiguous) file.write(tensor_bytes(c));
+  file.commit();
+}
+
+SafetensorsStreamWriter::SafetensorsStreamWriter(const std::string& path, const std::string& name,
+                                                 at::ScalarType dtype, std::vector<int64_t> shape,
+                                                 const std::map<std::string, std::string>& metadata)
+    : dtype_(dtype) {
+  uint64_t bytes = c10::elementSize(dtype);
+  for (int64_t n : shape)
+    if (n < 0 || __builtin_mul_overflow(bytes, uint64_t(n), &bytes)) fail(path, ": tensor shape too large");
+  data_bytes_ = bytes;
+  nlohmann::json header = nlohmann::json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  header[name] = {{"dtype", dtype_name(dtype)}, {"shape", shape}, {"data_offsets", {uint64_t(0), bytes}}};
+  const std::string head = header_bytes(header);
+  header_bytes_ = head.size();
+  file_ = std::make_unique<AtomicFile>(path);
+  file_->write(head);
+  path_ = path;
+}
+
+SafetensorsStreamWriter::~SafetensorsStreamWriter() = default;
+
+void SafetensorsStreamWriter::append(const at::Tensor& piece) {
+  at::Tensor c = piece.detach().to(at::kCPU, dtype_).contiguous();
+  const uint64_t bytes = uint64_t(c.numel()) * c.element_size();
+  if (written_ + bytes > data_bytes_) fail(path_, ": more tensor bytes written than its shape holds");
+  file_->write(tensor_bytes(c));
+  written_ += bytes;
+}
+
+void SafetensorsStreamWriter::commit() {
+  if (written_ != data_bytes_) fail(path_, ": ", written_, " of the tensor's ", data_bytes_, " bytes were written");
+  file_->commit();
 }
 
 SafetensorsFile load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  // Everything is checked against the format's rules before any tensor is allocated: the header
+  // lies inside the file; every entry has a known dtype, a shape of non-negative dimensions and
+  // two offsets; shape × dtype size equals its byte range; the ranges, in order, are contiguous,
+  // do not overlap and cover the data section exactly (no holes, no aliased weights).
+  const uint64_t file_size = regular_file_size(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, ": cannot open safetensors file");
-  uint64_t file_size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
   if (file_size < 8) fail(path, ": not a safetensors file (", file_size, " bytes, no header)");
   unsigned char len_bytes[8];
   in.read(reinterpret_cast<char*>(len_bytes), 8);
@@ -70,44 +119,82 @@ SafetensorsFile load_safetensors(const std::string& path) {
   if (header_len > file_size - 8 || header_len > (100u << 20))
     fail(path, ": safetensors header length ", header_len, " exceeds the file (", file_size, " bytes)");
   std::string json(header_len, '\0');
-  in.read(json.data(), header_len);
+  in.read(json.data(), std::streamsize(header_len));
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(json);
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     fail(path, ": safetensors header is not valid JSON");
   }
   if (!header.is_object()) fail(path, ": safetensors header is not a JSON object");
-  uint64_t data_size = file_size - 8 - header_len;
-  std::string data(data_size, '\0');
-  in.read(data.data(), data_size);
-  if (!in) fail(path, ": could not read ", data_size, " bytes of tensor data");
+  const uint64_t data_size = file_size - 8 - header_len;
 
+  struct Entry {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    uint64_t begin, end;
+  };
+  std::vector<Entry> entries;
   SafetensorsFile out;
   for (auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
-      for (auto& [k, v] : entry.items())
-        out.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
+      if (!entry.is_object()) fail(path, ": safetensors '__metadata__' is not a JSON object");
+      for (auto& [k, v] : entry.items()) {
+        if (!v.is_string()) fail(path, ": safetensors metadata '", k, "' is not a string");
+        out.metadata[k] = v.get<std::string>();
+      }
       continue;
     }
-    try {
-      std::string dt = entry.at("dtype").get<std::string>();
-      auto shape = entry.at("shape").get<std::vector<int64_t>>();
-      auto offs = entry.at("data_offsets").get<std::vector<uint64_t>>();
-      auto it = std::find_if(dtype_names().begin(), dtype_names().end(),
-                             [&](auto& p) { return p.first == dt; });
-      if (it == dtype_names().end()) fail(path, ": tensor '", name, "' has unsupported dtype ", dt);
-      if (offs.size() != 2 || offs[0] > offs[1] || offs[1] > data_size)
-        fail(path, ": tensor '", name, "' data_offsets lie outside the data (", data_size, " bytes)");
-      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(it->second));
-      if (uint64_t(t.numel() * t.element_size()) != offs[1] - offs[0])
-        fail(path, ": tensor '", name, "' shape and dtype need ", t.numel() * t.element_size(),
-             " bytes but data_offsets give ", offs[1] - offs[0]);
-      std::memcpy(t.mutable_data_ptr(), data.data() + offs[0], offs[1] - offs[0]);
-      out.tensors[name] = t;
-    } catch (const nlohmann::json::exception&) {
-      fail(path, ": tensor '", name, "' has a malformed header entry");
+    auto bad = [&](const auto&... what) { fail(path, ": tensor '", name, "' ", what...); };
+    if (!entry.is_object()) bad("has a header entry that is not a JSON object");
+    for (const char* key : {"dtype", "shape", "data_offsets"})
+      if (!entry.contains(key)) bad("has no '", key, "'");
+    const auto& dt = entry["dtype"];
+    if (!dt.is_string()) bad("has a dtype that is not a string");
+    auto it = std::find_if(dtype_names().begin(), dtype_names().end(),
+                           [&](auto& p) { return p.first == dt.get<std::string>(); });
+    if (it == dtype_names().end()) bad("has unsupported dtype ", dt.dump());
+    Entry e{name, it->second, {}, 0, 0};
+    const auto& shape = entry["shape"];
+    if (!shape.is_array()) bad("has a shape that is not an array");
+    uint64_t bytes = c10::elementSize(e.dtype);
+    for (const auto& d : shape) {
+      if (!d.is_number_unsigned())  // nlohmann parses every non-negative integer as unsigned
+        bad("has a shape dimension ", d.dump(), " that is not a non-negative integer");
+      const uint64_t n = d.get<uint64_t>();
+      if (n > uint64_t(INT64_MAX) || __builtin_mul_overflow(bytes, n, &bytes))
+        bad("has a shape ", shape.dump(), " whose size overflows 64 bits");
+      e.shape.push_back(int64_t(n));
     }
+    const auto& offs = entry["data_offsets"];
+    if (!offs.is_array() || offs.size() != 2 || !offs[0].is_number_unsigned() || !offs[1].is_number_unsigned())
+      bad("data_offsets must be two non-negative integers, got ", offs.dump());
+    e.begin = offs[0].get<uint64_t>();
+    e.end = offs[1].get<uint64_t>();
+    if (e.begin > e.end || e.end > data_size)
+      bad("data_offsets [", e.begin, ", ", e.end, "] lie outside the data (", data_size, " bytes)");
+    if (bytes != e.end - e.begin)
+      bad("shape and dtype need ", bytes, " bytes but data_offsets give ", e.end - e.begin);
+    entries.push_back(std::move(e));
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  uint64_t covered = 0;
+  for (const Entry& e : entries) {
+    if (e.begin < covered) fail(path, ": tensor '", e.name, "' data_offsets overlap another tensor's bytes");
+    if (e.begin > covered) fail(path, ": data bytes [", covered, ", ", e.begin, ") belong to no tensor (before '", e.name, "')");
+    covered = e.end;
+  }
+  if (covered != data_size)
+    fail(path, ": the tensors cover ", covered, " of the ", data_size, " data bytes (header length or offsets are wrong)");
+
+  for (const Entry& e : entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    in.seekg(std::streamoff(8 + header_len + e.begin));
+    in.read(static_cast<char*>(t.mutable_data_ptr()), std::streamsize(e.end - e.begin));
+    if (!in) fail(path, ": could not read the ", e.end - e.begin, " bytes of tensor '", e.name, "'");
+    out.tensors[e.name] = t;
   }
   return out;
 }

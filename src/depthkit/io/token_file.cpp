@@ -37,37 +37,53 @@ at::Tensor read_npy(const std::string& path, const std::string& bytes) {
   if (std::regex_search(header, std::regex("'fortran_order':\\s*True")))
     fail(path, ": Fortran-ordered .npy arrays are not supported (save with C order)");
   if (!std::regex_search(header, m, std::regex("'shape':\\s*\\(([^)]*)\\)"))) fail(path, ": .npy header has no 'shape'");
+  // The shape is checked against the data's byte count before anything is allocated, so a
+  // header that declares a huge or negative shape is an error, not an allocation.
   std::vector<int64_t> shape;
   std::stringstream dims(m[1].str());
-  for (std::string dim; std::getline(dims, dim, ',');)
-    if (dim.find_first_not_of(" ") != std::string::npos) shape.push_back(std::stoll(dim));
+  for (std::string dim; std::getline(dims, dim, ',');) {
+    const size_t first = dim.find_first_not_of(" "), last = dim.find_last_not_of(" ");
+    if (first == std::string::npos) continue;
+    const std::string digits = dim.substr(first, last - first + 1);
+    if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos)
+      fail(path, ": .npy shape dimension '", digits, "' is not a non-negative integer below 10^18");
+    shape.push_back(std::stoll(digits));
+  }
   if (shape.size() == 1) shape.insert(shape.begin(), 1);
   if (shape.size() != 2) fail(path, ": token array must be 1-D or 2-D, got ", shape.size(), " dimensions");
-  const size_t n = size_t(shape[0] * shape[1]), data = offset + header_len;
-  at::Tensor out = at::empty(shape, at::kLong);
-  int64_t* dst = out.data_ptr<int64_t>();
+  if (shape[0] == 0 || shape[1] == 0) fail(path, ": token array is empty (shape ", shape[0], " x ", shape[1], ")");
+  const size_t data = offset + header_len;
+  size_t n = 0;
+  if (__builtin_mul_overflow(size_t(shape[0]), size_t(shape[1]), &n) || n > (bytes.size() - data))
+    fail(path, ": .npy shape (", shape[0], ", ", shape[1], ") needs more elements than its ",
+         bytes.size() - data, " data bytes hold");
   auto convert = [&](auto zero) {
     using T = decltype(zero);
     if (bytes.size() - data != n * sizeof(T))
       fail(path, ": .npy data has ", bytes.size() - data, " bytes, shape and dtype need ", n * sizeof(T));
+    at::Tensor out = at::empty(shape, at::kLong);
+    int64_t* dst = out.data_ptr<int64_t>();
     for (size_t i = 0; i < n; ++i) {
       T v;
       std::memcpy(&v, bytes.data() + data + i * sizeof(T), sizeof(T));
-      if constexpr (std::is_signed_v<T>)
+      if constexpr (std::is_signed_v<T>) {
         if (v < 0) fail(path, ": negative token id ", int64_t(v), " at index ", i);
+      } else if constexpr (sizeof(T) == 8) {
+        if (v > uint64_t(INT64_MAX)) fail(path, ": token id ", v, " at index ", i, " does not fit 63 bits");
+      }
       dst[i] = int64_t(v);
     }
+    return out;
   };
-  if (descr == "<i8") convert(int64_t{});
-  else if (descr == "<i4") convert(int32_t{});
-  else if (descr == "<i2") convert(int16_t{});
-  else if (descr == "|i1") convert(int8_t{});
-  else if (descr == "|u1") convert(uint8_t{});
-  else if (descr == "<u2") convert(uint16_t{});
-  else if (descr == "<u4") convert(uint32_t{});
-  else if (descr == "<u8") convert(uint64_t{});
-  else fail(path, ": .npy dtype '", descr, "' is not a little-endian integer type");
-  return out;
+  if (descr == "<i8") return convert(int64_t{});
+  if (descr == "<i4") return convert(int32_t{});
+  if (descr == "<i2") return convert(int16_t{});
+  if (descr == "|i1") return convert(int8_t{});
+  if (descr == "|u1") return convert(uint8_t{});
+  if (descr == "<u2") return convert(uint16_t{});
+  if (descr == "<u4") return convert(uint32_t{});
+  if (descr == "<u8") return convert(uint64_t{});
+  fail(path, ": .npy dtype '", descr, "' is not a little-endian integer type");
 }
 
 at::Tensor read_text(const std::string& path, const std::string& text) {
@@ -85,7 +101,7 @@ at::Tensor read_text(const std::string& path, const std::string& text) {
         v = std::stoll(id, &used);
       } catch (const std::exception&) {
       }
-      if (used != id.size() || v < 0) fail(path, ":", line_no, ": '", id, "' is not a token id");
+      if (used != id.size() || v < 0) fail(path, ":", line_no, ": '", printable(id.substr(0, 40)), "' is not a token id");
       row.push_back(v);
     }
     if (row.empty()) continue;

@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit {
 
@@ -23,6 +24,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 Rope::Rope(int64_t head_dim, int64_t max_len, double theta, at::Device device) {
   // θ_i = theta^(-2i/hd), computed in float64 then stored in float32.
+  Building building(cat("the RoPE tables of model.seq_len ", max_len, " (", max_len * head_dim * 8, " bytes in float64)"));
   auto i = at::arange(head_dim / 2, at::kDouble);
   auto inv_freq = at::exp(i * (-2.0 * std::log(theta) / double(head_dim)));
   auto angles = at::outer(at::arange(max_len, at::kDouble), inv_freq);

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 
+#include <cctype>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -28,8 +29,10 @@ std::string capture_rng_state() {
 }
 
 void restore_rng_state(const std::string& hex, const std::string& source) {
-  if (hex.empty()) return;
-  if (hex.size() % 2) fail(source, ": key 'rng_state' is not a hex string");
+  if (hex.empty()) return;  // a checkpoint from `depthkit init`: the generator starts fresh
+  static const size_t expected = capture_rng_state().size();
+  if (hex.size() != expected)
+    fail(source, ": field 'rng_state' has ", hex.size(), " hex digits, the CPU generator's state has ", expected);
   at::Tensor s = at::empty({int64_t(hex.size() / 2)}, at::kByte);
   uint8_t* p = s.mutable_data_ptr<uint8_t>();
   auto nib = [&](char c) -> int {
@@ -40,7 +43,11 @@ void restore_rng_state(const std::string& hex, const std::string& source) {
   for (size_t i = 0; i < hex.size() / 2; ++i) p[i] = uint8_t(nib(hex[2 * i]) << 4 | nib(hex[2 * i + 1]));
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(s);
+  try {
+    gen.set_state(s);
+  } catch (const c10::Error& e) {
+    fail(source, ": field 'rng_state' is not a CPU generator state (", one_line(e), ")");
+  }
 }
 
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& st) {
@@ -70,15 +77,36 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
   const fs::path final_dir = root / name;
   write_checkpoint_dir(final_dir, model, opt, st);
   write_file_atomic(root / "latest", std::string(name) + "\n");
-  // Keep the newest `keep` checkpoints.
-  std::vector<fs::path> all;
+  // Keep the `keep` checkpoints of highest step number; the one `latest` names is never removed.
+  std::vector<std::pair<int64_t, fs::path>> all;
   for (const auto& e : fs::directory_iterator(root)) {
-    std::string n = e.path().filename().string();
-    if (e.is_directory() && n.starts_with("step_") && !n.ends_with(".tmp")) all.push_back(e.path());
+    auto step = checkpoint_step(e.path().filename().string());
+    if (step && e.is_directory() && e.path() != final_dir) all.emplace_back(*step, e.path());
   }
-  std::sort(all.begin(), all.end());
-  for (size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i]);
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = keep > 0 ? size_t(keep - 1) : 0; i < all.size(); ++i) fs::remove_all(all[i].second);
   return final_dir;
+}
+
+std::optional<int64_t> checkpoint_step(const std::string& name) {
+  if (!name.starts_with("step_") || name.size() == 5 || name.size() > 5 + 18) return std::nullopt;
+  int64_t step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+bool holds_checkpoints(const fs::path& run_dir) {
+  const fs::path root = run_dir / "checkpoints";
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return false;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n == "latest" || n.starts_with("step_")) return true;
+  }
+  return false;
 }
 
 std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::string& name) {
@@ -88,11 +116,17 @@ std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::stri
     if (!fs::is_directory(p)) fail(p.string(), ": checkpoint not found");
     return p;
   }
-  if (!fs::exists(root / "latest")) return std::nullopt;
-  std::string latest = read_file(root / "latest");
-  while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
+  const fs::path latest_path = root / "latest";
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(latest_path, ec))) return std::nullopt;
+  std::string latest = read_file(latest_path, 4096);
+  // One name and a line end (a CRLF or trailing blanks from an editor are forgiven).
+  while (!latest.empty() && std::isspace(static_cast<unsigned char>(latest.back()))) latest.pop_back();
+  if (!checkpoint_step(latest))
+    fail(latest_path.string(), ": does not name a checkpoint (expected one line 'step_NNNNNNNN', got ",
+         latest.size() > 40 ? cat(latest.size(), " bytes") : cat("'", printable(latest), "'"), ")");
   fs::path p = root / latest;
-  if (!fs::is_directory(p)) fail((root / "latest").string(), ": names missing checkpoint '", latest, "'");
+  if (!fs::is_directory(p)) fail(latest_path.string(), ": names missing checkpoint '", latest, "'");
   return p;
 }
 
@@ -106,18 +140,41 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
   Checkpoint c;
   c.dir = dir;
   const fs::path state_path = dir / "state.json";
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(state_path));
-    c.state.step = j.at("step").get<int64_t>();
-    c.state.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    c.state.data.epoch = j.at("data").at("epoch").get<int64_t>();
-    c.state.data.index = j.at("data").at("index").get<int64_t>();
-    c.state.seed = j.at("seed").get<int64_t>();
-    c.state.rng_state = j.at("rng_state").get<std::string>();
-    c.state.config_toml = j.at("config").get<std::string>();
-  } catch (const nlohmann::json::exception& e) {
-    fail(state_path.string(), ": malformed trainer state (", e.what(), ")");
+  const std::string where = state_path.string();
+  const nlohmann::json j = nlohmann::json::parse(read_file(state_path, 64u << 20), nullptr, false);
+  if (j.is_discarded()) fail(where, ": not valid JSON");
+  if (!j.is_object()) fail(where, ": not a JSON object");
+  auto field = [&](const nlohmann::json& parent, const char* key, const char* name) -> const nlohmann::json& {
+    if (!parent.is_object() || !parent.contains(key)) fail(where, ": field '", name, "' is missing");
+    return parent[key];
+  };
+  // Counters are non-negative integers: a negative step would run the schedule backwards.
+  auto count = [&](const nlohmann::json& parent, const char* key, const char* name) -> int64_t {
+    const nlohmann::json& v = field(parent, key, name);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) ||
+        v.get<int64_t>() < 0)
+      fail(where, ": field '", name, "' must be a non-negative integer, got ", v.dump());
+    return v.get<int64_t>();
+  };
+  auto text = [&](const char* key) -> std::string {
+    const nlohmann::json& v = field(j, key, key);
+    if (!v.is_string()) fail(where, ": field '", key, "' must be a string, got a ", v.type_name());
+    return v.get<std::string>();
+  };
+  c.state.step = count(j, "step", "step");
+  c.state.tokens_seen = count(j, "tokens_seen", "tokens_seen");
+  const nlohmann::json& data = field(j, "data", "data");
+  c.state.data.epoch = count(data, "epoch", "data.epoch");
+  c.state.data.index = count(data, "index", "data.index");
+  c.state.seed = count(j, "seed", "seed");
+  c.state.rng_state = text("rng_state");
+  c.state.config_toml = text("config");
+  if (!c.state.rng_state.empty()) {
+    if (c.state.rng_state.find_first_not_of("0123456789abcdef") != std::string::npos)
+      fail(where, ": field 'rng_state' is not a lower-case hex string");
+    static const size_t expected = capture_rng_state().size();
+    if (c.state.rng_state.size() != expected)
+      fail(where, ": field 'rng_state' has ", c.state.rng_state.size(), " hex digits, the CPU generator's state has ", expected);
   }
   c.model = load_safetensors((dir / "model.safetensors").string());
   if (load_optimizer) c.optimizer = load_safetensors((dir / "optimizer.safetensors").string());

@@ -32,6 +32,10 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
                          const TrainerState& state, int64_t keep);
 // Writes one checkpoint folder `dir` atomically (built as dir.tmp, then renamed over dir).
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& state);
+// The step of a checkpoint folder's name "step_NNNNNNNN"; nullopt for any other name.
+std::optional<int64_t> checkpoint_step(const std::string& name);
+// Whether run_dir/checkpoints holds any checkpoint folder or a `latest` file.
+bool holds_checkpoints(const fs::path& run_dir);
 // A checkpoint folder, or a run directory (its latest checkpoint).
 fs::path resolve_checkpoint(const std::string& path);
 

@@ -16,6 +16,7 @@ namespace depthkit {
 
 AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg) : params_(params), cfg_(cfg) {
   for (const auto& p : params_.all()) {
+    Building building(cat("the AdamW moments of '", p.name, "' ", p.tensor.sizes()));
     exp_avg_.push_back(at::zeros_like(p.tensor).detach());
     exp_avg_sq_.push_back(at::zeros_like(p.tensor).detach());
   }

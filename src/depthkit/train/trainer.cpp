@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
@@ -29,17 +30,31 @@ namespace {
 std::atomic<int> g_stop_signal{0};
 void on_signal(int sig) { g_stop_signal.store(sig); }
 
-// Drops metrics of steps after `step` (left by a run that died after its last checkpoint).
-void truncate_metrics(const fs::path& path, int64_t step) {
-  if (!fs::exists(path)) return;
+// What metrics.jsonl already holds for the checkpoint's step.
+struct LoggedStep {
+  std::optional<double> loss, val_loss;
+};
+
+// Drops metrics of steps after `step` (left by a run that died after its last checkpoint) and
+// returns what is logged for `step` itself.
+LoggedStep truncate_metrics(const fs::path& path, int64_t step) {
+  LoggedStep logged;
+  if (!fs::exists(path)) return logged;
   std::ifstream in(path);
   std::string line, kept;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (j.is_discarded() || !j.contains("step") || j["step"].get<int64_t>() <= step) kept += line + "\n";
+    const bool has_step = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer();
+    if (has_step && j["step"].get<int64_t>() > step) continue;
+    kept += line + "\n";
+    if (has_step && j["step"].get<int64_t>() == step) {
+      if (j.contains("loss") && j["loss"].is_number()) logged.loss = j["loss"].get<double>();
+      if (j.contains("val_loss") && j["val_loss"].is_number()) logged.val_loss = j["val_loss"].get<double>();
+    }
   }
   write_file_atomic(path, kept);
+  return logged;
 }
 
 class MetricsLog {
@@ -63,6 +78,21 @@ void install_stop_signals() {
   std::signal(SIGTERM, on_signal);
 }
 
+void check_data_meta(const Config& cfg) {
+  const fs::path meta_path = fs::path(cfg.data.dir) / "meta.json";
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(meta_path, ec))) return;  // shards from elsewhere carry none
+  const nlohmann::json meta = nlohmann::json::parse(read_file(meta_path, 64u << 20), nullptr, false);
+  if (meta.is_discarded()) fail(meta_path.string(), ": not valid JSON");
+  if (!meta.is_object()) fail(meta_path.string(), ": not a JSON object");
+  if (!meta.contains("vocab_size")) return;
+  const nlohmann::json& v = meta["vocab_size"];
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > uint64_t(INT64_MAX))
+    fail(meta_path.string(), ": field 'vocab_size' must be a non-negative integer, got ", v.dump());
+  if (v.get<int64_t>() > cfg.model.vocab_size)
+    fail(meta_path.string(), ": vocab_size ", v.get<int64_t>(), " exceeds model.vocab_size ", cfg.model.vocab_size);
+}
+
 Config load_run_config(const fs::path& run_dir, const std::vector<std::string>& overrides) {
   const fs::path p = run_dir / "config.toml";
   if (!fs::exists(p)) fail(p.string(), ": not found (is '", run_dir.string(), "' a run directory?)");
@@ -76,46 +106,80 @@ TrainResult train(const TrainOptions& opt) {
   // Open and check everything that can fail on bad input before anything is written.
   const int64_t total = cfg.total_steps();
   const int64_t T = cfg.model.seq_len;
-  const fs::path meta_path = fs::path(cfg.data.dir) / "meta.json";
-  if (fs::exists(meta_path)) {  // shards from `data prepare`: check the vocabulary up front
-    auto meta = nlohmann::json::parse(read_file(meta_path), nullptr, false);
-    if (meta.is_discarded()) fail(meta_path.string(), ": not valid JSON");
-    if (meta.contains("vocab_size") && meta["vocab_size"].get<int64_t>() > cfg.model.vocab_size)
-      fail(meta_path.string(), ": vocab_size ", meta["vocab_size"].get<int64_t>(),
-           " exceeds model.vocab_size ", cfg.model.vocab_size);
-  }
+  if (!opt.resume && holds_checkpoints(run_dir))  // checked again under the run directory's lock
+    fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+  check_data_meta(cfg);
   TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
   TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
   auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
 
+  // One process at a time owns a run directory. A fresh run creates it; if anything below fails
+  // before training starts, a directory this call created is removed again, and an existing one
+  // is left as it was.
+  if (opt.resume && !find_checkpoint(run_dir))
+    fail(run_dir.string(), ": --resume given but the run has no checkpoint");
+  std::error_code ec;
+  const bool created = !fs::exists(run_dir, ec);
+  if (created) fs::create_directories(run_dir);
+  std::optional<DirectoryLock> lock;
   std::optional<Checkpoint> ckpt;
-  if (opt.resume) {
-    auto dir = find_checkpoint(run_dir);
-    if (!dir) fail(run_dir.string(), ": --resume given but the run has no checkpoint");
-    ckpt = load_checkpoint(*dir, true);
-  } else if (find_checkpoint(run_dir)) {
-    fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
-  }
-  TensorMemory::install();  // counts from here: the model, its optimizer state, every step
-  const int64_t memory_base = TensorMemory::current_bytes();
-  TensorMemory::reset_peak();
-  Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
-  AdamW optim(model.parameters(), cfg.optim);
+  std::optional<Transformer> model_slot;
+  std::optional<AdamW> optim_slot;
   TrainerState st;
-  st.seed = cfg.train.seed;
-  if (ckpt) {
-    model.parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
-    optim.load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
-    st = ckpt->state;
-    restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
-    if (st.seed != cfg.train.seed)
-      fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", st.seed);
+  int64_t memory_base = 0;
+  try {
+    lock.emplace(run_dir);
+    if (opt.resume) {
+      ckpt = load_checkpoint(*find_checkpoint(run_dir), true);  // under the lock: the current latest
+    } else if (holds_checkpoints(run_dir)) {
+      fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+    }
+    if (ckpt) {
+      const std::string state_path = (ckpt->dir / "state.json").string();
+      if (ckpt->state.seed != cfg.train.seed)
+        fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", ckpt->state.seed);
+      if (ckpt->state.data.index > train_data.windows(T))
+        fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
+             train_data.windows(T), " windows of the training split");
+      if (ckpt->state.step >= total && fs::exists(run_dir / "summary.json")) {
+        // Nothing left to train: report it and leave every file of the run as it is. (Without a
+        // summary the run died between its final checkpoint and its summary: that is finished below.)
+        TrainResult done;
+        done.step = ckpt->state.step;
+        done.complete = true;
+        return done;
+      }
+    }
+    TensorMemory::install();  // counts from here: the model, its optimizer state, every step
+    memory_base = TensorMemory::current_bytes();
+    TensorMemory::reset_peak();
+    model_slot.emplace(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
+    optim_slot.emplace(model_slot->parameters(), cfg.optim);
+    st.seed = cfg.train.seed;
+    if (ckpt) {
+      model_slot->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
+      optim_slot->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
+      st = ckpt->state;
+      restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
+    }
+  } catch (...) {
+    if (created) {
+      lock.reset();
+      fs::remove_all(run_dir, ec);
+    }
+    throw;
   }
+  Transformer& model = *model_slot;
+  AdamW& optim = *optim_slot;
+  // A fresh run that fails on bad input before its first checkpoint (a token id past the
+  // vocabulary in a window, a shard that changed) leaves no half-made run directory behind. A run
+  // that diverges keeps its directory: its metrics show how.
+  bool saved = false, diverged = false;
+  try {
   const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
   BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
-  fs::create_directories(run_dir);
   write_file_atomic(run_dir / "config.toml", cfg.to_toml());
-  truncate_metrics(run_dir / "metrics.jsonl", st.step);
+  const LoggedStep logged = truncate_metrics(run_dir / "metrics.jsonl", st.step);
   if (Progress::enabled())
     std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s\n", run_dir.c_str(),
                  cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(),
@@ -126,6 +190,7 @@ TrainResult train(const TrainOptions& opt) {
     st.data = loader.position();
     st.rng_state = capture_rng_state();
     st.config_toml = cfg.to_toml();
+    saved = true;
     return save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
   };
   auto run_eval = [&](int64_t step) {
@@ -153,6 +218,7 @@ TrainResult train(const TrainOptions& opt) {
     }
     const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
     if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
+      diverged = true;
       auto last = find_checkpoint(run_dir);
       fail("non-finite ", std::isfinite(loss_sum) ? "gradient norm" : "loss", " at step ", st.step + 1,
            " (loss ", loss_sum, ", grad norm ", gnorm, "); stopping. Last good checkpoint: ",
@@ -189,7 +255,9 @@ TrainResult train(const TrainOptions& opt) {
       return result;
     }
   }
-  result.val_loss = run_eval(st.step);
+  // A run finished by --resume after dying past its final checkpoint reuses what it logged.
+  if (result.losses.empty() && logged.loss) result.last_loss = *logged.loss;
+  result.val_loss = result.losses.empty() && logged.val_loss ? *logged.val_loss : run_eval(st.step);
   bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
   result.step = st.step;
   // Throughput and peak memory of this process (after a resume: of the resumed part only).
@@ -200,15 +268,21 @@ TrainResult train(const TrainOptions& opt) {
   nlohmann::json summary = {{"step", st.step},
                             {"tokens_seen", st.tokens_seen},
                             {"train_seconds", seconds},
-                            {"tokens_per_s", step_seconds > 0 ? tokens_here / step_seconds : 0.0},
-                            {"peak_tensor_bytes", TensorMemory::peak_bytes() - memory_base},
-                            {"peak_rss_bytes", peak_rss_bytes()},
                             {"train_loss", result.last_loss},
                             {"val_loss", result.val_loss},
                             {"val_tokens", val_tokens},
                             {"val_ppl", std::exp(result.val_loss)}};
+  if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
+    summary["tokens_per_s"] = tokens_here / step_seconds;
+    summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;
+    summary["peak_rss_bytes"] = peak_rss_bytes();
+  }
   write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
   return result;
+  } catch (...) {
+    if (created && !saved && !diverged) fs::remove_all(run_dir, ec);
+    throw;
+  }
 }
 
 }  // namespace depthkit

@@ -23,11 +23,15 @@ struct TrainResult {
   double last_loss = 0;        // training loss of the last step
   double val_loss = -1;        // final evaluation (-1: none)
   bool interrupted = false;    // stopped by a signal or stop_after
+  bool complete = false;       // --resume of a run with no step left: nothing was run or written
   int signal = 0;              // the signal that stopped it, if any
   std::vector<double> losses;  // training loss of every step run in this call
 };
 
 TrainResult train(const TrainOptions& opt);
+
+// Checks the data directory's meta.json, when there is one, against the model (vocab_size).
+void check_data_meta(const Config& cfg);
 
 // The configuration of an existing run (its config.toml) with overrides applied.
 Config load_run_config(const std::filesystem::path& run_dir, const std::vector<std::string>& overrides);

@@ -4,6 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace depthkit {
 
@@ -26,5 +27,31 @@ template <class... Args>
 
 // Turns an exception from torch (multi-line, with a C++ backtrace) into one line.
 std::string one_line(const std::exception& e);
+
+// `text` with control characters escaped (\n, \r, \xNN): for bytes from a file quoted in a
+// message, which must stay one line.
+std::string printable(std::string_view text);
+
+// Names what the program is building while it builds it, so that an allocation failure, caught at
+// the command boundary, says in its one line what the memory was for:
+//   Building building("the logits of 4 sequences");
+class Building {
+ public:
+  explicit Building(std::string what);
+  ~Building();
+  Building(const Building&) = delete;
+  Building& operator=(const Building&) = delete;
+  // The innermost thing being built on this thread ("" when none).
+  static std::string current();
+
+ private:
+  std::string what_;
+  const Building* outer_;
+};
+
+// The one line the CLI prints for any exception: depthkit::Error as it is; an allocation failure
+// (std::bad_alloc, or LibTorch's "can't allocate memory") as "out of memory while building ...";
+// anything else cut to its first line. Control characters are escaped, so it stays one line.
+std::string error_line(const std::exception& e);
 
 }  // namespace depthkit

@@ -1,12 +1,15 @@
 #include "depthkit/util/fs.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <sstream>
 
 #include "depthkit/util/error.h"
 
@@ -22,43 +25,118 @@ void fsync_path(const fs::path& path) {
 void rename_durable(const fs::path& from, const fs::path& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
-  if (ec) fail(to.string(), ": cannot rename from ", from.string(), ": ", ec.message());
+  if (ec) {
+    std::error_code ignored;
+    fs::remove_all(from, ignored);  // never leave the temporary behind
+    fail(to.string(), ": cannot rename from ", from.string(), ": ", ec.message());
+  }
   fsync_path(to.parent_path().empty() ? fs::path(".") : to.parent_path());
 }
 
-void write_file_atomic(const fs::path& path, std::string_view bytes) {
+AtomicFile::AtomicFile(const fs::path& path) : path_(path) {
   fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
   std::error_code ec;
+  if (fs::is_directory(path, ec)) fail(path.string(), ": is a directory, expected a file path to write");
   fs::create_directories(dir, ec);
   if (ec) fail(dir.string(), ": cannot create directory: ", ec.message());
   std::random_device rd;
-  fs::path tmp = dir / (path.filename().string() + ".tmp" + std::to_string(rd() % 1000000));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail(tmp.string(), ": cannot create: ", std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      fs::remove(tmp, ec);
-      fail(tmp.string(), ": write failed: ", std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    fs::remove(tmp, ec);
-    fail(tmp.string(), ": fsync/close failed: ", std::strerror(errno));
-  }
-  rename_durable(tmp, path);
+  tmp_ = dir / (path.filename().string() + ".tmp" + std::to_string(rd() % 1000000));
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(tmp_.string(), ": cannot create: ", std::strerror(errno));
 }
 
-std::string read_file(const fs::path& path) {
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::write(std::string_view bytes) {
+  size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail(tmp_.string(), ": write failed: ", std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+}
+
+void AtomicFile::commit() {
+  const int fd = fd_;
+  fd_ = -1;
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    fail(tmp_.string(), ": fsync/close failed: ", std::strerror(err));
+  }
+  rename_durable(tmp_, path_);
+}
+
+void write_file_atomic(const fs::path& path, std::string_view bytes) {
+  AtomicFile file(path);
+  file.write(bytes);
+  file.commit();
+}
+
+uintmax_t regular_file_size(const fs::path& path, uintmax_t max_bytes) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) fail(path.string(), ": cannot open: not found");
+  if (fs::is_directory(st)) fail(path.string(), ": is a directory, expected a file");
+  if (!fs::is_regular_file(st)) fail(path.string(), ": not a regular file (a device, FIFO or socket)");
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec) fail(path.string(), ": cannot read its size: ", ec.message());
+  if (size > max_bytes) fail(path.string(), ": ", size, " bytes, more than the ", max_bytes, " this file may have");
+  return size;
+}
+
+std::string read_file(const fs::path& path, uintmax_t max_bytes) {
+  const uintmax_t size = regular_file_size(path, max_bytes);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path.string(), ": cannot open for reading");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
+  std::string out(size, '\0');
+  in.read(out.data(), std::streamsize(size));
+  if (in.gcount() != std::streamsize(size)) fail(path.string(), ": changed size while being read");
+  return out;
+}
+
+namespace {
+
+// The PID holding a flock on the inode `ino`, from /proc/locks ("1: FLOCK ADVISORY WRITE <pid>
+// <maj>:<min>:<inode> 0 EOF"); 0 if none is listed.
+long flock_holder(ino_t ino) {
+  std::ifstream locks("/proc/locks");
+  for (std::string line; std::getline(locks, line);) {
+    std::istringstream in(line);
+    std::string id, kind, mode, access, device;
+    long pid = 0;
+    if (!(in >> id >> kind >> mode >> access >> pid >> device) || kind != "FLOCK") continue;
+    const auto colon = device.rfind(':');
+    if (colon != std::string::npos && device.substr(colon + 1) == std::to_string(ino)) return pid;
+  }
+  return 0;
+}
+
+}  // namespace
+
+DirectoryLock::DirectoryLock(const fs::path& dir) {
+  fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd_ < 0) fail(dir.string(), ": cannot open the directory to lock it: ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
+  const int err = errno;
+  struct stat st {};
+  ::fstat(fd_, &st);
+  ::close(fd_);
+  fd_ = -1;
+  if (err != EWOULDBLOCK) fail(dir.string(), ": cannot lock: ", std::strerror(err));
+  const long pid = flock_holder(st.st_ino);
+  fail(dir.string(), ": in use by another run (process ", pid > 0 ? std::to_string(pid) : "unknown",
+       " holds its lock); wait for it to finish or choose another --run-dir");
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the lock
 }
 
 }  // namespace depthkit

@@ -1,6 +1,7 @@
 // Crash-safe file output: every file depthkit writes goes to a temporary name, is fsynced,
 // then renamed into place, so a reader never sees a half-written file.
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -9,11 +10,48 @@ namespace depthkit {
 
 namespace fs = std::filesystem;
 
+// A file written in pieces that appears at `path`, complete, only at commit(): the pieces go to a
+// temporary in the same directory, which commit() fsyncs and renames into place. Destroyed before
+// commit() (an error, an exception's unwinding), it removes the temporary and leaves `path` as it was.
+class AtomicFile {
+ public:
+  explicit AtomicFile(const fs::path& path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(std::string_view bytes);
+  void commit();
+
+ private:
+  fs::path path_, tmp_;
+  int fd_ = -1;
+};
+
 // Writes `bytes` to `path` atomically (temp file in the same directory, fsync, rename, fsync dir).
 void write_file_atomic(const fs::path& path, std::string_view bytes);
 // Renames `from` over `to` and fsyncs the parent directory.
 void rename_durable(const fs::path& from, const fs::path& to);
 void fsync_path(const fs::path& path);
-std::string read_file(const fs::path& path);
+// Reads a whole regular file. A directory, a device (/dev/zero), a FIFO or a file over
+// `max_bytes` is refused with a message naming the path, before anything is read.
+constexpr uintmax_t kMaxReadBytes = uintmax_t(1) << 30;
+std::string read_file(const fs::path& path, uintmax_t max_bytes = kMaxReadBytes);
+// The size of a regular file, with the same checks as read_file (`what` names its role).
+uintmax_t regular_file_size(const fs::path& path, uintmax_t max_bytes = UINTMAX_MAX);
+
+// An exclusive flock(2) on a directory for this object's life: one process at a time may own a
+// run directory. The lock is on the directory itself, so taking it writes nothing there, and the
+// kernel drops it when the process dies (kill -9 included). A second taker fails at once with a
+// message naming the holder's PID (from /proc/locks).
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const fs::path& dir);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 }  // namespace depthkit

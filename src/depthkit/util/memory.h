@@ -6,10 +6,14 @@
 //     activations need, without the heap's slack.
 #pragma once
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdint>
 
 namespace depthkit {
+
+// The machine's physical memory: no single run can use more, so sizes past it are refused up front.
+inline int64_t physical_memory_bytes() { return int64_t(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE); }
 
 inline int64_t peak_rss_bytes() {
   struct rusage ru {};

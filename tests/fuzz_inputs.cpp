@@ -1,0 +1,469 @@
+// Hostile inputs by the thousand. Configs, --set values, token shards, meta.json, checkpoints
+// (safetensors headers and offsets), state.json, `latest` and token files are mutated by a seeded
+// generator, and each case runs a depthkit command in a forked child, through the same
+// cli::run as the program. Every case must end in one of two ways:
+//   - success: the mutation left a valid input (a weight byte flipped, a key set to a legal value);
+//   - a clean failure: exit code 1 or 2, exactly one line on stderr, "depthkit: error: ...", that
+//     names the file or key at fault, and nothing written or removed in the run directory.
+// Never a signal (abort, SIGSEGV, SIGBUS), never a hang. Each child's address space is capped 1 GiB
+// above what it maps at the start, so a size the checks let through fails in the allocator and
+// must be reported in one line too.
+//   DEPTHKIT_FUZZ_SCALE  multiplies every class's case count (default 1, about a minute on 2 cores;
+//                        20 for a long run)
+//   DEPTHKIT_FUZZ_SEED   the generator's seed (default 1)
+//   DEPTHKIT_FUZZ_LOG    a file to which every refusal's line is appended
+// The counts of accepted and refused cases per class are printed at the end.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "depthkit/cli/app.h"
+#include "depthkit/util/fs.h"
+#include "depthkit/util/progress.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoll(v) : fallback;
+}
+
+int64_t scaled(int64_t n) { return std::max<int64_t>(1, n * env_int("DEPTHKIT_FUZZ_SCALE", 1)); }
+
+struct Outcome {
+  int rc = -1;      // exit code, when it exited
+  int signal = 0;   // the signal that ended it, if one did
+  std::string err;  // everything it wrote to stderr
+};
+
+// Runs `depthkit args...` in a forked child; its stdout is discarded, its stderr captured.
+Outcome run_cli(const std::vector<std::string>& args, const fs::path& scratch) {
+  const std::string err_path = (scratch / "stderr.txt").string();
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int nul = ::open("/dev/null", O_WRONLY);
+    ::dup2(err, 2);
+    ::dup2(nul, 1);
+    ::alarm(120);  // a hang ends in SIGALRM, which the parent reports
+    long pages = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t cap = rlim_t(pages) * rlim_t(::sysconf(_SC_PAGESIZE)) + (rlim_t(1) << 30);
+    const rlimit limit{cap, cap};
+    ::setrlimit(RLIMIT_AS, &limit);
+    Progress::set_enabled(false);
+    std::vector<std::string> full = {"depthkit"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int rc = cli::run(int(full.size()), argv.data());
+    std::fflush(nullptr);
+    ::_exit(rc);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  Outcome o;
+  if (WIFEXITED(status)) o.rc = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) o.signal = WTERMSIG(status);
+  std::ifstream in(err_path, std::ios::binary);
+  o.err.assign(std::istreambuf_iterator<char>(in), {});
+  return o;
+}
+
+// Every file under `dir` with its bytes (folders as a marker), to prove nothing changed.
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    const std::string rel = fs::relative(e.path(), dir).string();
+    if (e.is_directory()) out[rel] = "<dir>";
+    else if (e.is_regular_file()) out[rel] = read_file(e.path());
+    else out[rel] = "<other>";
+  }
+  return out;
+}
+
+void write_text(const fs::path& p, const std::string& s) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out << s;
+}
+
+// The tally of one input class, printed at the end; failures stop being reported after ten.
+struct Tally {
+  std::string name;
+  int64_t accepted = 0, refused = 0, bad = 0;
+  ~Tally() {
+    std::printf("fuzz %-10s %6lld cases: %6lld accepted, %6lld refused with one line, %lld wrong\n", name.c_str(),
+                (long long)(accepted + refused + bad), (long long)accepted, (long long)refused, (long long)bad);
+  }
+  // Checks one outcome. `names`: the message must contain one of them.
+  bool check(const Outcome& o, const std::vector<std::string>& names, const std::string& what) {
+    std::string why;
+    if (o.signal) why = cat("killed by signal ", o.signal);
+    else if (o.rc == 0) {
+      ++accepted;
+      return true;
+    } else if (o.rc != 1 && o.rc != 2) why = cat("exit code ", o.rc);
+    else if (std::count(o.err.begin(), o.err.end(), '\n') != 1 || o.err.back() != '\n') why = "not exactly one stderr line";
+    else if (!o.err.starts_with("depthkit: error: ")) why = "the line is not a depthkit error";
+    else if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return o.err.find(n) != std::string::npos; }))
+      why = "the message names neither " + names.front() + (names.size() > 1 ? " nor " + names.back() : "");
+    if (why.empty()) {
+      ++refused;
+      if (const char* log = std::getenv("DEPTHKIT_FUZZ_LOG"); log && *log) std::ofstream(log, std::ios::app) << name << ": " << o.err;
+      return true;
+    }
+    if (++bad <= 10) ADD_FAILURE() << name << ": " << what << ": " << why << "; stderr: " << o.err;
+    return false;
+  }
+};
+
+class Fuzz : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    base_ = new TempDir();
+    const fs::path b = base_->path;
+    write_pattern_data((b / "data").string(), 64, 4000, 1200);
+    write_text(b / "data" / "meta.json", "{\"vocab_size\": 64, \"unigram_entropy_nats\": 4.0, \"eos_id\": 1}\n");
+    config_text_ =
+        "[model]\nn_layers = 1\nd_model = 32\nn_heads = 4\nn_kv_heads = 2\nd_ff = 64\nvocab_size = 64\n"
+        "seq_len = 16\n[residual]\nkind = \"dar\"\nblock_sublayers = 2\n[data]\ndir = \"" + (b / "data").string() + "\"\n"
+        "[train]\nmicro_batch = 2\nsteps = 2\neval_every = 0\neval_tokens = 64\ncheckpoint_every = 1\n"
+        "keep_checkpoints = 2\nlog_every = 1\nthreads = 1\n[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 1\n";
+    write_text(b / "base.toml", config_text_);
+    Outcome o = run_cli({"train", "--config", (b / "base.toml").string(), "--run-dir", (b / "run").string()}, b);
+    ASSERT_EQ(o.rc, 0) << o.err;
+    o = run_cli({"init", "--config", (b / "base.toml").string(), "--out", (b / "ck").string()}, b);
+    ASSERT_EQ(o.rc, 0) << o.err;
+    // A valid .npy [2, 8] of little-endian int32 ids, and the same ids as text.
+    std::string header = "{'descr': '<i4', 'fortran_order': False, 'shape': (2, 8), }";
+    header.resize(118, ' ');
+    header += '\n';
+    npy_ = std::string("\x93NUMPY\x01\x00", 8) + char(header.size() & 0xff) + char(header.size() >> 8) + header;
+    for (int32_t i = 0; i < 16; ++i) npy_.append(reinterpret_cast<const char*>(&i), 4);
+    tokens_text_ = "0 1 2 3 4 5 6 7\n8 9 10 11 12 13 14 15\n";
+  }
+  static void TearDownTestSuite() { delete base_; }
+
+  void SetUp() override {
+    rng_.seed(uint64_t(env_int("DEPTHKIT_FUZZ_SEED", 1)) * 1000003 + std::hash<std::string>()(
+        ::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    scratch_ = base_->path / "scratch";
+    fs::remove_all(scratch_);
+    fs::create_directories(scratch_);
+  }
+
+  uint64_t pick(uint64_t n) { return rng_() % n; }
+  template <class T>
+  const T& one_of(const std::vector<T>& v) { return v[pick(v.size())]; }
+
+  // A byte-level mutation: flip, insert, delete, truncate, duplicate, or swap a digit.
+  std::string mutate_bytes(std::string s) {
+    if (s.empty()) return std::string(1 + pick(8), char(pick(256)));
+    const size_t at = pick(s.size());
+    switch (pick(7)) {
+      case 0: s[at] = char(pick(256)); break;
+      case 1: s.insert(at, std::string(1 + pick(16), char(pick(256)))); break;
+      case 2: s.erase(at, 1 + pick(32)); break;
+      case 3: s.resize(at); break;
+      case 4: s.insert(at, s.substr(at, 1 + pick(64))); break;
+      case 5: {
+        const size_t d = s.find_first_of("0123456789", at);
+        if (d != std::string::npos) s[d] = char('0' + pick(10));
+        else s[at] = char(pick(256));
+        break;
+      }
+      default: s.insert(at, one_of<std::string>({"9999999999999999999999", "-1", "\n", std::string(1, '\0'), "\r\n", "1e999", "nan"}));
+    }
+    return s;
+  }
+
+  // Values no key should take silently: out of range, non-finite, overflowing, of another type.
+  std::string hostile_value() {
+    return one_of<std::string>({"0", "-1", "-9223372036854775808", "9223372036854775807", "4611686018427387904",
+                                "18446744073709551616", "1e308", "inf", "-inf", "nan", "1.5", "\"\"", "\"x\"",
+                                "[1, 2]", "[]", "true", "{ a = 1 }", "1073741824", "16777216", "1048576",
+                                "2147483647", "\"cuda\"", "1e-300", "3\nmodel.n_layers = 2", "2\r\n[model]"});
+  }
+
+  std::vector<std::string> keys() {
+    return {"model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.d_ff",
+            "model.vocab_size", "model.seq_len", "model.tie_embeddings", "model.rope_theta", "model.norm_eps",
+            "model.init_std", "residual.kind", "residual.block_sublayers", "residual.routing", "residual.streams",
+            "residual.kernels", "residual.conv", "residual.fusion", "residual.sinkhorn_iters", "residual.impl",
+            "data.dir", "train.micro_batch", "train.grad_accum", "train.steps", "train.tokens", "train.seed",
+            "train.data_seed", "train.eval_every", "train.eval_tokens", "train.checkpoint_every",
+            "train.keep_checkpoints", "train.log_every", "train.threads", "train.device", "optim.lr", "optim.min_lr",
+            "optim.warmup_steps", "optim.schedule", "optim.decay_fraction", "optim.weight_decay", "optim.beta1",
+            "optim.beta2", "optim.eps", "optim.grad_clip"};
+  }
+
+  // A JSON value of the wrong kind or range for a counter or a string.
+  nlohmann::json hostile_json() {
+    switch (pick(14)) {
+      case 0: return -1;
+      case 1: return INT64_MIN;
+      case 2: return INT64_MAX;
+      case 3: return UINT64_MAX;
+      case 4: return 1.5;
+      case 5: return 1e300;
+      case 6: return "7";
+      case 7: return nullptr;
+      case 8: return nlohmann::json::array();
+      case 9: return nlohmann::json::object();
+      case 10: return true;
+      case 11: return 0;
+      case 12: return std::string(1 + pick(9000), 'a');
+      default: return int64_t(pick(1000000));
+    }
+  }
+
+  // A mutation of a safetensors file: its header length, its JSON entries, or its bytes.
+  std::string mutate_safetensors(const std::string& file) {
+    uint64_t len = 0;
+    for (int i = 0; i < 8; ++i) len |= uint64_t(uint8_t(file[i])) << (8 * i);
+    auto with_length = [&](uint64_t n, const std::string& rest) {
+      std::string out(8, '\0');
+      for (int i = 0; i < 8; ++i) out[i] = char((n >> (8 * i)) & 0xff);
+      return out + rest;
+    };
+    const uint64_t kind = pick(10);
+    if (kind == 0) {  // the header length off by a little or a lot
+      const int64_t delta = one_of<int64_t>({-8, -2, -1, 1, 2, 8, 1 << 20, int64_t(1) << 40, -int64_t(len)});
+      return with_length(len + uint64_t(delta), file.substr(8));
+    }
+    if (kind == 1) return mutate_bytes(file);
+    if (kind == 2) return file.substr(0, pick(file.size()));
+    if (kind == 3) {  // a byte flipped inside the header
+      std::string out = file;
+      out[8 + pick(len)] = char(pick(256));
+      return out;
+    }
+    nlohmann::json h = nlohmann::json::parse(file.substr(8, len));
+    std::vector<std::string> names;
+    for (auto& [k, v] : h.items())
+      if (k != "__metadata__") names.push_back(k);
+    auto& e = h[one_of(names)];
+    switch (kind) {
+      case 4: {  // a shape dimension
+        auto& shape = e["shape"];
+        nlohmann::json v = one_of<nlohmann::json>({-1, 0, INT64_MAX, UINT64_MAX, 4611686018427387904LL, 1.0, "2",
+                                                   1 << 30, nullptr});
+        if (shape.empty() || pick(3) == 0) shape.push_back(v);
+        else shape[pick(shape.size())] = v;
+        break;
+      }
+      case 5: {  // the offsets: shifted, overlapping another tensor, reversed or huge
+        auto& o = e["data_offsets"];
+        const auto& other = h[one_of(names)]["data_offsets"];
+        switch (pick(5)) {
+          case 0: o = other; break;
+          case 1: o[0] = o[0].get<uint64_t>() + 4; o[1] = o[1].get<uint64_t>() + 4; break;
+          case 2: o = {o[1], o[0]}; break;
+          case 3: o[1] = UINT64_MAX; break;
+          default: o = {0, -4}; break;
+        }
+        break;
+      }
+      case 6: e["dtype"] = one_of<nlohmann::json>({"F16", "I64", "U8", "BOOL", "F8", "", 3, nullptr}); break;
+      case 7: e.erase(one_of<std::string>({"dtype", "shape", "data_offsets"})); break;
+      case 8: h[one_of<std::string>({"__metadata__", "extra"})] = hostile_json(); break;
+      default: h.erase(one_of(names)); break;
+    }
+    std::string json = h.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (pick(2)) json.resize((json.size() + 7) / 8 * 8, ' ');
+    return with_length(json.size(), json + file.substr(8 + len));
+  }
+
+  static TempDir* base_;
+  static std::string config_text_, npy_, tokens_text_;
+  fs::path scratch_;
+  std::mt19937_64 rng_;
+};
+
+TempDir* Fuzz::base_ = nullptr;
+std::string Fuzz::config_text_, Fuzz::npy_, Fuzz::tokens_text_;
+
+TEST_F(Fuzz, Configs) {
+  Tally tally{"config"};
+  const fs::path config = scratch_ / "config.toml", out = scratch_ / "ck";
+  for (int64_t i = 0; i < scaled(600); ++i) {
+    std::vector<std::string> args = {"init", "--config", config.string(), "--out", out.string()};
+    // An allocation the checks let through names what it was building instead of a key.
+    std::vector<std::string> names = {config.string(), "out of memory while building", "building the model:"};
+    std::string text = config_text_;
+    const std::string key = one_of(keys()), value = hostile_value();
+    switch (pick(10) < 9 ? pick(3) : 3) {
+      case 3: {  // sizes past the machine: refused up front, or failing in the capped allocator
+        const std::string size_key = one_of<std::string>({"model.vocab_size", "model.d_model", "model.d_ff", "model.seq_len"});
+        args.insert(args.end(), {"--set", cat(size_key, "=", int64_t(1) << (20 + pick(11)))});
+        names = {"--set", size_key, "out of memory while building", "building the model:"};
+        break;
+      }
+      case 0:  // a key given a hostile value with --set
+        args.insert(args.end(), {"--set", key + "=" + value});
+        names = {"--set", key, "out of memory while building", "building the model:"};
+        break;
+      case 1: {  // a key given a hostile value in the file
+        const std::string section = key.substr(0, key.find('.')), name = key.substr(key.find('.') + 1);
+        const size_t line = text.find("\n" + name + " = ");
+        if (line != std::string::npos) text.replace(line + 1, text.find('\n', line + 1) - line - 1, name + " = " + value);
+        else text.insert(text.find("[" + section + "]\n") + section.size() + 3, name + " = " + value + "\n");
+        break;
+      }
+      default: text = mutate_bytes(mutate_bytes(text));
+    }
+    write_text(config, text);
+    const Outcome o = run_cli(args, scratch_);
+    tally.check(o, names, "config " + (args.size() > 5 ? args.back() : text));
+    fs::remove_all(out);
+  }
+}
+
+TEST_F(Fuzz, TokenShardsAndMeta) {
+  Tally shards{"shard"}, meta{"meta.json"};
+  const fs::path data = scratch_ / "data", run = scratch_ / "run";
+  for (int64_t i = 0; i < scaled(300); ++i) {
+    fs::remove_all(data);
+    fs::copy(base_->path / "data", data, fs::copy_options::recursive);
+    const bool on_meta = pick(3) == 0;
+    std::string target = on_meta ? "meta.json" : one_of<std::string>({"train_000000.bin", "val_000000.bin"});
+    std::string bytes = read_file(data / target);
+    if (on_meta) {
+      nlohmann::json m = nlohmann::json::parse(bytes);
+      if (pick(3)) m["vocab_size"] = hostile_json();
+      else m = nlohmann::json::parse(mutate_bytes(bytes), nullptr, false);
+      bytes = m.is_discarded() ? mutate_bytes(bytes) : m.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    } else {
+      switch (pick(4)) {
+        case 0: {  // a header field: magic, version or token count
+          const int32_t v = one_of<int32_t>({0, -1, INT32_MAX, INT32_MIN, 20240520, 20240801, 1, 7, 3999, 4001, 100000});
+          std::memcpy(bytes.data() + 4 * pick(3), &v, 4);
+          break;
+        }
+        case 1: bytes.resize(pick(bytes.size())); break;
+        case 2: bytes += std::string(1 + pick(9), '\1'); break;
+        default:  // ids past the vocabulary in the body
+          for (int k = 0; k < 64; ++k) bytes[1024 + pick(bytes.size() - 1024)] = char(0x7f);
+      }
+    }
+    if (pick(20) == 0) {  // a folder where the file should be
+      fs::remove(data / target);
+      fs::create_directories(data / target / "x");
+    } else {
+      write_text(data / target, bytes);
+    }
+    const Outcome o = run_cli({"train", "--config", (base_->path / "base.toml").string(), "--set",
+                               "data.dir=" + data.string(), "--set", "train.steps=1", "--run-dir", run.string()},
+                              scratch_);
+    if ((on_meta ? meta : shards).check(o, {data.string()}, target) && o.rc != 0 && fs::exists(run))
+      ADD_FAILURE() << target << ": a failed fresh run left " << run << " behind";
+    fs::remove_all(run);
+  }
+}
+
+TEST_F(Fuzz, Checkpoints) {
+  Tally model{"model"}, optimizer{"optimizer"}, state{"state.json"}, latest{"latest"}, config{"config.toml"};
+  const fs::path run = scratch_ / "run";
+  for (int64_t i = 0; i < scaled(1100); ++i) {
+    fs::remove_all(run);
+    fs::copy(base_->path / "run", run, fs::copy_options::recursive);
+    const fs::path ck = run / "checkpoints" / "step_00000002";
+    const uint64_t kind = pick(20);
+    fs::path target;
+    Tally* tally;
+    if (kind < 7) {
+      target = ck / "model.safetensors", tally = &model;
+      write_text(target, mutate_safetensors(read_file(target)));
+    } else if (kind < 10) {
+      target = ck / "optimizer.safetensors", tally = &optimizer;
+      write_text(target, mutate_safetensors(read_file(target)));
+    } else if (kind < 16) {
+      target = ck / "state.json", tally = &state;
+      nlohmann::json j = nlohmann::json::parse(read_file(target));
+      const std::string field = one_of<std::string>({"step", "tokens_seen", "epoch", "index", "seed", "rng_state",
+                                                     "config", "whole"});
+      if (field == "epoch" || field == "index") j["data"][field] = hostile_json();
+      else if (field == "rng_state") j[field] = pick(2) ? nlohmann::json(j[field].get<std::string>().substr(0, pick(10000))) : hostile_json();
+      else if (field == "config") j[field] = mutate_bytes(j[field].get<std::string>());
+      else if (field != "whole") j[field] = hostile_json();
+      if (pick(8) == 0) j.erase(field);
+      const std::string text = j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+      write_text(target, field == "whole" ? mutate_bytes(text) : text);
+    } else if (kind < 18) {
+      target = run / "checkpoints" / "latest", tally = &latest;
+      write_text(target, one_of<std::string>({"step_00000002\r\n", std::string("step_0000\0" "002\n", 14), "", "\n",
+                                              "step_\n", "../../x\n", "step_99999999\n", "step_00000001\nstep_2\n",
+                                              mutate_bytes("step_00000002\n")}));
+    } else {
+      target = run / "config.toml", tally = &config;
+      write_text(target, mutate_bytes(read_file(target)));
+    }
+    const auto before = snapshot(run);
+    const bool resume = pick(3) == 0;
+    const Outcome o = resume ? run_cli({"train", "--resume", "--run-dir", run.string(), "--set", "train.steps=3"}, scratch_)
+                             : run_cli({"eval", "--run-dir", run.string(), "--tokens", "64"}, scratch_);
+    // A mutated config.toml may name another data directory: the message then names that value.
+    if (tally->check(o, {run.string(), "data directory"}, target.filename().string() + (resume ? " (resume)" : " (eval)")) &&
+        o.rc != 0 && snapshot(run) != before)
+      ADD_FAILURE() << target << ": a failed command changed the run directory";
+  }
+}
+
+TEST_F(Fuzz, TokenFiles) {
+  Tally npy{"npy"}, text{"text ids"};
+  const fs::path out = scratch_ / "logits.safetensors";
+  for (int64_t i = 0; i < scaled(600); ++i) {
+    const bool as_npy = pick(3) != 0;
+    const fs::path file = scratch_ / (as_npy ? "ids.npy" : "ids.txt");
+    std::string bytes;
+    if (as_npy) {
+      bytes = npy_;
+      const size_t shape = bytes.find("(2, 8)");
+      switch (pick(5)) {
+        case 0:
+          bytes.replace(shape, 6, one_of<std::string>({"(99999999999, 5)", "(-1,)", "()", "(2, 3, 4)", "(0, 5)",
+                                                       "(4611686018427387904, 4)", "(1e3,)", "(2, 0)", "(3, 8)", "(16,)",
+                                                       "(18446744073709551617,)", "(2,, 8)"}));
+          break;
+        case 1: bytes.replace(bytes.find("<i4"), 3, one_of<std::string>({"<f4", ">i4", "<i8", "|u1", "<u8", "", "<i4'"})); break;
+        case 2: bytes[8 + pick(2)] = char(pick(256)); break;
+        case 3: bytes.resize(pick(bytes.size())); break;
+        default: bytes = mutate_bytes(bytes);
+      }
+    } else {
+      bytes = pick(2) ? mutate_bytes(tokens_text_)
+                      : one_of<std::string>({"18446744073709551615 1\n", "-3 1\n", "1 2\n\n3\n", "", "\n\n",
+                                             "9223372036854775807 1\n", "1 99999\n", std::string("1 \0 2\n", 6)});
+    }
+    write_text(file, bytes);
+    const Outcome o = run_cli({"forward", "--checkpoint", (base_->path / "ck").string(), "--tokens", file.string(),
+                               "--out", out.string()},
+                              scratch_);
+    if ((as_npy ? npy : text).check(o, {file.string()}, file.filename().string()) && o.rc != 0 &&
+        (fs::exists(out) || fs::exists(out.string() + ".tmp")))
+      ADD_FAILURE() << "a failed forward left its output behind";
+    fs::remove_all(out);
+  }
+}
+
+}  // namespace
+}  // namespace depthkit::test
