@@ -2,6 +2,8 @@
 
 #include <numeric>
 
+#include "depthkit/pathways/pathway.h"
+
 namespace depthkit {
 
 double CostReport::traffic_d() const {
@@ -20,8 +22,10 @@ constexpr double kMerge = 3;  // λ·out + (1 − λ)·v (DAR eq. A.10)
 
 struct Shape {
   double d, L, S, N, m;  // width, branches, block size, completed blocks, streams
-  int64_t completed_before(int64_t l) const { return 1 + (l - 1) / int64_t(S); }  // incl. the embedding
-  bool first_in_block(int64_t l) const { return (l - 1) % int64_t(S) == 0; }
+  BlockSchedule schedule;
+  // The completed sources branch ℓ reads, the embedding included.
+  int64_t completed_before(int64_t l) const { return schedule.block_of(l); }
+  bool first_in_block(int64_t l) const { return schedule.opens(l); }
 };
 
 // AttnRes (eq. 9, two-phase): keys normalised once per append, per read scores and value sums
@@ -85,9 +89,10 @@ CostReport training_cost(const ModelConfig& model, const ResidualConfig& residua
   c.d = model.d_model;
   c.branches = model.n_branches();
   c.block_sublayers = residual.kind == "residual" || residual.kind == "mhc" ? 1 : residual.block_sublayers;
-  c.blocks = (c.branches + c.block_sublayers - 1) / c.block_sublayers;
+  const BlockSchedule schedule{c.block_sublayers, c.branches};
+  c.blocks = schedule.blocks();
   c.streams = residual.kind == "dar" ? 2 : residual.streams;
-  const Shape s{double(c.d), double(c.branches), double(c.block_sublayers), double(c.blocks), double(c.streams)};
+  const Shape s{double(c.d), double(c.branches), double(c.block_sublayers), double(c.blocks), double(c.streams), schedule};
 
   // Backbone, forward, per token.
   const double d = double(c.d), hd = double(model.resolved_head_dim());

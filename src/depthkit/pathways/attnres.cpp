@@ -22,13 +22,13 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), query_(branches_ + 1),
+    : schedule_{residual.block_sublayers, model.n_branches()}, query_(schedule_.branches + 1),
       fused_(residual.impl == "fused") {
-  for (int64_t l = 2; l <= branches_; ++l)
+  for (int64_t l = 2; l <= schedule_.branches; ++l)
     query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
   if (residual.kind == "attnres_sepv") {
-    const int64_t d = model.d_model, n_sources = 1 + (branches_ + block_ - 1) / block_;
+    const int64_t d = model.d_model, n_sources = 1 + schedule_.blocks();
     for (int64_t r = 0; r < n_sources; ++r)  // identity maps: the model starts as AttnRes
       value_maps_.push_back(params.add(prefix + ".value_map." + std::to_string(r), "residual", {d, d}, Init::Identity));
   }
@@ -65,7 +65,7 @@ at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, co
 
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
-  const bool first_in_block = (l - 1) % block_ == 0;
+  const bool first_in_block = schedule_.opens(l);
   if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
     if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed.entries()[0].select(-1, 0)).unsqueeze(-1), false);
     return s.values.entries()[0];
@@ -81,8 +81,8 @@ at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
-  s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;
-  if (l % block_ == 0 || l == branches_) {  // block boundary (the last block may be shorter)
+  s.partial = schedule_.opens(l) ? out : s.partial + out;
+  if (schedule_.closes(l)) {  // block boundary (the last block may be shorter)
     s.values.push(value(s.completed.size(), s.partial));
     s.completed.push(s.partial);
     s.partial = at::Tensor();
@@ -91,7 +91,7 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
-  if (observer_) observer_->on_retrieval(branches_ + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
+  if (observer_) observer_->on_retrieval(schedule_.branches + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
   return read_sources(out_query_, s.completed.stacked(), value_maps_.empty() ? at::Tensor() : s.values.stacked(), {}, {});
 }
 

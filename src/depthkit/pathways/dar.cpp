@@ -32,12 +32,12 @@ std::pair<int, int> route(const std::string& routing, int j) {
 }  // namespace
 
 Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), routing_(residual.routing),
-      fused_(residual.impl == "fused"), branch_(branches_ + 1) {
+    : schedule_{residual.block_sublayers, model.n_branches()}, routing_(residual.routing),
+      fused_(residual.impl == "fused"), branch_(schedule_.branches + 1) {
   const int64_t d = model.d_model;
   // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
   const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
-  for (int64_t l = 1; l <= branches_; ++l) {
+  for (int64_t l = 1; l <= schedule_.branches; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
     Branch& b = branch_[l];
     b.q0 = params.add(p + "q0", "residual", {d}, Init::Zeros);
@@ -46,7 +46,7 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
     b.b_alpha = params.add(p + "alpha.bias", "residual", {2}, Init::Zeros);
     b.w_beta = params.add(p + "beta.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
     b.b_beta = params.add(p + "beta.bias", "residual", {2}, Init::Zeros);
-    if ((l - 1) % block_ != 0) {  // transport gate: only branches that find a partial state
+    if (!schedule_.opens(l)) {  // transport gate: only branches that find a partial state
       b.w_rho = params.add(p + "rho.weight", "residual", {1, 2 * d}, Init::Zeros);
       b.b_rho = params.add(p + "rho.bias", "residual", {1}, Init::Constant, kRhoBias);
     }
@@ -93,7 +93,7 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
   s.p0 = p0.view({B, T, d});
   s.p1 = p1.view({B, T, d});
-  if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
+  if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
     s.h0.push(s.p0);
     s.h1.push(s.p1);
     s.p0 = s.p1 = at::Tensor();
@@ -102,7 +102,7 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
-  if (observer_) observe_read(state, branches_ + 1, out_q0_, out_q1_);
+  if (observer_) observe_read(state, schedule_.branches + 1, out_q0_, out_q1_);
   const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history

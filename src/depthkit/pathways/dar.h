@@ -49,7 +49,7 @@ class Dar final : public ResidualPathway {
   // Reports both streams' retrieval weights of read ℓ (L_b + 1: the readout) to the observer.
   void observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const;
 
-  int64_t block_, branches_;
+  BlockSchedule schedule_;
   std::string routing_;
   bool fused_;  // residual.impl: the fused operators or the reference compositions (ops/dar_ops.h)
   std::vector<Branch> branch_;  // [L_b + 1], index ℓ

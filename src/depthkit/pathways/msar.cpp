@@ -30,11 +30,11 @@ Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 }  // namespace
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), m_(residual.streams), conv_(residual.conv),
+    : schedule_{residual.block_sublayers, model.n_branches()}, m_(residual.streams), conv_(residual.conv),
       mean_fusion_(residual.fusion == "mean"), fused_(residual.impl == "fused"), d_(model.d_model),
-      kernels_(residual.kernels), branch_(branches_ + 1), bank_(branches_) {
+      kernels_(residual.kernels), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
   const int64_t d = model.d_model;
-  for (int64_t l = 1; l <= branches_; ++l) {
+  for (int64_t l = 1; l <= schedule_.branches; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
     Branch& b = branch_[l];
     b.queries = params.add(p + "queries", "residual", {m_, d}, Init::Zeros);
@@ -45,7 +45,7 @@ Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterSt
     }
   }
   if (conv_)
-    for (int64_t k = 0; k < branches_; ++k)
+    for (int64_t k = 0; k < schedule_.branches; ++k)
       for (int64_t r = 1; r < m_; ++r)
         bank_[k].push_back(params.add("residual.bank." + std::to_string(k) + ".conv" + std::to_string(r), "residual",
                                       {d, kernels_[r - 1]}, Init::Zeros));
@@ -100,7 +100,7 @@ std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
 at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
-  const bool first_in_block = (l - 1) % block_ == 0;
+  const bool first_in_block = schedule_.opens(l);
   if (observer_) observe_read(state, l);
   if (fused_) {
     auto [out, lse] = fused::msar_read(b.queries, s.raw.stacked(), s.taps.stacked(), kKeyNormEps);
@@ -142,7 +142,7 @@ void Msar::observe_read(PathwayState& state, int64_t l) const {
   if (fused_)
     for (size_t i = 0; i < s.raw.size(); ++i) expanded.push_back(expand(s.raw.entries()[i], s.banks[i]));
   at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
-  at::Tensor part = (l - 1) % block_ == 0 ? at::Tensor() : expand(s.partial, l - 1);
+  at::Tensor part = schedule_.opens(l) ? at::Tensor() : expand(s.partial, l - 1);
   for (int64_t r = 0; r < m_; ++r)
     observer_->on_retrieval(l, r, depth_weights(branch_[l].queries[r], completed[r], part.defined() ? part[r] : part),
                             part.defined());
@@ -151,9 +151,9 @@ void Msar::observe_read(PathwayState& state, int64_t l) const {
 void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   Sources& s = sources(state);
   s.last_output = out;
-  s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;  // eq. 16
-  if (l % block_ == 0 || l == branches_) {                     // eq. 15: block complete
-    if (l < branches_) append(s, s.partial, l);  // bank of its last branch
+  s.partial = schedule_.opens(l) ? out : s.partial + out;  // eq. 16
+  if (schedule_.closes(l)) {  // eq. 15: block complete
+    if (l < schedule_.branches) append(s, s.partial, l);  // bank of its last branch
     s.partial = at::Tensor();
   }
 }

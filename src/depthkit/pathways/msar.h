@@ -56,7 +56,8 @@ class Msar final : public ResidualPathway {
     at::Tensor queries;                   // [m, d]
     at::Tensor w_pre, b_pre, alpha_pre;   // [m, md], [m], [1] (fusion = "hpre")
   };
-  int64_t block_, branches_, m_;
+  BlockSchedule schedule_;
+  int64_t m_;
   bool conv_, mean_fusion_, fused_;
   int64_t d_;
   std::vector<int64_t> kernels_;

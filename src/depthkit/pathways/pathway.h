@@ -33,6 +33,26 @@ class PathwayObserver {
   virtual void on_write_gates(int64_t branch, const at::Tensor& gates) {}
 };
 
+// The block schedule shared by every block pathway (docs/design.md, "Pathways"; DAR eq. 8–9,
+// MSAR eq. 15–16): branches ℓ = 1 … L_b in blocks of S, block b = 1 … blocks() holding branches
+// (b−1)S + 1 … min(bS, L_b), so the last block may be shorter and no S is rejected for not dividing
+// L_b. The first branch of a block reads the completed sources only; the branch that closes a block
+// turns its partial into a completed source. S = 1 is the Full form (every branch its own block).
+struct BlockSchedule {
+  int64_t size;      // S, branches per block
+  int64_t branches;  // L_b
+
+  // ℓ is the first branch of its block (no partial to merge).
+  bool opens(int64_t l) const { return (l - 1) % size == 0; }
+  // ℓ is the last branch of its block (its write completes a source).
+  bool closes(int64_t l) const { return l % size == 0 || l == branches; }
+  // The number of blocks, ⌈L_b / S⌉.
+  int64_t blocks() const { return (branches + size - 1) / size; }
+  // The block b = 1 … blocks() that holds branch ℓ; at ℓ it has b completed sources before it
+  // (the embedding and blocks 1 … b − 1).
+  int64_t block_of(int64_t l) const { return (l - 1) / size + 1; }
+};
+
 // Per-forward state of a pathway (the residual stream, a depth history, several streams...).
 struct PathwayState {
   virtual ~PathwayState() = default;
