@@ -1,5 +1,5 @@
 // DAR's fused read and write operators (ops/dar_ops.h) against the reference compositions of
-// ATen ops with the same signatures (ops/dar_reference.cpp, autograd for the backward): forward and
+// ATen ops with the same signatures (ops/reference/dar.cpp, autograd for the backward): forward and
 // every gradient in float64 (1e-10) and float32 (1e-5), every routing, with and without the
 // partial; a finite-difference gradient check in float64. The whole pathway is compared with the
 // equations in test_pathways.cpp (Dar.EqualsTheEquations runs both implementations).
@@ -7,7 +7,8 @@
 #include <ATen/ops/randn.h>
 
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "helpers.h"
 #include "op_checks.h"
 

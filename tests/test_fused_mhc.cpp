@@ -1,4 +1,4 @@
-// The fused mHC operators (ops/mhc_ops.h) against the reference composition (pathways/mhc.h):
+// The fused mHC operators (ops/mhc_ops.h) against their reference compositions (ops/reference/):
 // forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes with
 // m = 1, 2, 4, odd d, B·T = 1 and larger, with random parameters that make H_res far from uniform;
 // a finite-difference gradient check in float64 for each op; bfloat16; the Mhc pathway with
@@ -22,8 +22,9 @@
 #include <functional>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/mhc_ops.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/mhc.h"
 #include "helpers.h"
 #include "op_checks.h"
@@ -60,7 +61,7 @@ void compare_pre(const Shape& s, at::ScalarType dtype, double rtol) {
   auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d);
   auto in = pre_inputs(s, dtype, g), ref_in = leaf_copies(in);
   auto [h, post, res] = fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps);
-  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
+  auto [ref_h, ref_post, ref_res] = reference::mhc_pre(ref_in[0], ref_in[1], ref_in[2], ref_in[3], kKeyNormEps);
   EXPECT_TRUE(near(h, ref_h, rtol, "h"));
   EXPECT_TRUE(near(post, ref_post, rtol, "H_post"));
   EXPECT_TRUE(near(res, ref_res, rtol, "H_res logits"));
@@ -81,7 +82,7 @@ void compare_sinkhorn(const Shape& s, at::ScalarType dtype, double rtol) {
   const auto opt = at::TensorOptions().dtype(dtype);
   at::Tensor l = (at::randn({s.B, s.T, s.m, s.m}, g, opt) * 2.5).requires_grad_();
   at::Tensor l2 = l.detach().clone().requires_grad_();
-  at::Tensor H = fused::mhc_sinkhorn(l, 20), ref = mhc_sinkhorn_reference(l2, 20);
+  at::Tensor H = fused::mhc_sinkhorn(l, 20), ref = reference::mhc_sinkhorn(l2, 20);
   EXPECT_TRUE(near(H, ref, rtol, "H_res"));
   if (s.m > 1) {  // far from uniform: on average the entries of a token's H_res spread over more than 0.3
     EXPECT_GT((ref.amax({-2, -1}) - ref.amin({-2, -1})).mean().item<double>(), 0.3) << "H_res near uniform";
@@ -101,7 +102,7 @@ void compare_merge(const Shape& s, at::ScalarType dtype, double rtol) {
                                 at::randn({s.B, s.T, s.m, s.m}, g, opt).requires_grad_()};
   auto ref_in = leaf_copies(in);
   at::Tensor out = fused::mhc_merge(in[0], in[1], in[2], in[3]);
-  at::Tensor ref = mhc_merge_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
+  at::Tensor ref = reference::mhc_merge(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
   EXPECT_TRUE(near(out, ref, rtol, "x'"));
   at::Tensor w = at::randn(out.sizes(), g, opt);
   (out * w).sum().backward();
@@ -187,19 +188,19 @@ TEST(FusedMhc, BFloat16WithinItsPrecision) {
     f32.push_back(bf.back().to(at::kFloat));
   }
   auto [h, post, res] = fused::mhc_pre(bf[0], bf[1], bf[2], bf[3], kKeyNormEps);
-  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(f32[0], f32[1], f32[2], f32[3]);
+  auto [ref_h, ref_post, ref_res] = reference::mhc_pre(f32[0], f32[1], f32[2], f32[3], kKeyNormEps);
   EXPECT_EQ(h.scalar_type(), at::kBFloat16);
   EXPECT_EQ(res.scalar_type(), at::kFloat);
   EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));        // one bf16 rounding of the output: 2^-8
   EXPECT_TRUE(near(post, ref_post, 1e-4, "bf16 H_post (float32)"));
   EXPECT_TRUE(near(res, ref_res, 1e-4, "bf16 H_res logits (float32)"));
   at::Tensor H = fused::mhc_sinkhorn(res, 20);
-  at::Tensor ref_H = mhc_sinkhorn_reference(ref_res, 20);
+  at::Tensor ref_H = reference::mhc_sinkhorn(ref_res, 20);
   EXPECT_TRUE(near(H, ref_H, 1e-4, "bf16 H_res (float32)"));
   at::Tensor f = at::randn({s.B, s.T, s.d}, g).to(at::kBFloat16);
   at::Tensor out = fused::mhc_merge(bf[0], f, post, H);
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(near(out, mhc_merge_reference(f32[0], f.to(at::kFloat), ref_post, ref_H), 2e-2, "bf16 x'"));
+  EXPECT_TRUE(near(out, reference::mhc_merge(f32[0], f.to(at::kFloat), ref_post, ref_H), 2e-2, "bf16 x'"));
 }
 
 TEST(FusedMhc, BadShapesAreClearErrors) {
@@ -315,16 +316,16 @@ TEST(FusedMhc, DISABLED_Speed) {
     auto pre_of = [&](bool fz) {
       return [&, fz] {
         auto [h, p, r] = fz ? fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps)
-                            : mhc_pre_reference(in[0], in[1], in[2], in[3]);
+                            : reference::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps);
         finish({h, p, r});
       };
     };
     auto sink_of = [&](bool fz) {
-      return [&, fz] { finish({fz ? fused::mhc_sinkhorn(l, 20) : mhc_sinkhorn_reference(l, 20)}); };
+      return [&, fz] { finish({fz ? fused::mhc_sinkhorn(l, 20) : reference::mhc_sinkhorn(l, 20)}); };
     };
     auto merge_of = [&](bool fz) {
       return [&, fz] {
-        finish({fz ? fused::mhc_merge(in[0], f, post, H) : mhc_merge_reference(in[0], f, post, H)});
+        finish({fz ? fused::mhc_merge(in[0], f, post, H) : reference::mhc_merge(in[0], f, post, H)});
       };
     };
     struct Row {

@@ -1,6 +1,6 @@
-// The fused MSAR operators (ops/msar_ops.h) against a reference composition of ATen ops
-// (expansion by conv1d, key_norm, depth_read, merge_partial, H_pre fusion; autograd gives the
-// backward): forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative,
+// The fused MSAR operators (ops/msar_ops.h) against their reference compositions of ATen ops
+// (reference::msar_read, reference::msar_fuse: expansion by conv1d, key_norm, depth_read,
+// merge_partial, H_pre fusion; autograd gives the backward): forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative,
 // on shapes with N = 1, T = 1, T below the largest kernel, odd d, B > 1 (the convolution must not
 // leak across batch rows); a finite-difference gradient check in float64; bfloat16; memory that
 // does not grow with m·N·T·d (a counting CPU allocator); the Msar pathway with impl = fused equal
@@ -30,8 +30,9 @@
 #include <optional>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/msar_ops.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/pathway.h"
 #include "depthkit/util/memory.h"
 #include "helpers.h"
@@ -41,49 +42,13 @@ namespace depthkit::test {
 
 namespace {
 
-// ---- Reference composition -------------------------------------------------------------------
-
-// Stream r of x [B, T, d] under taps c [d, K] (c[:, δ] weighs x_{t−δ}, eq. 10), by grouped conv1d.
-at::Tensor conv_stream(const at::Tensor& x, const at::Tensor& c) {
-  const int64_t T = x.size(1), d = x.size(2), K = c.size(1);
-  at::Tensor padded = at::constant_pad_nd(x.transpose(1, 2), {K - 1, 0});
-  at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
-                            at::IntArrayRef{1}, d);
-  return y.transpose(1, 2).narrow(1, 0, T);
+// The reference compositions: reference::msar_read and reference::msar_fuse (ops/reference/).
+auto read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
+  return reference::msar_read(q, x, conv, kKeyNormEps);
 }
-
-// The m streams [m, B, T, d] of x under a bank [m − 1, d, K].
-at::Tensor expand_ref(const at::Tensor& x, const at::Tensor& bank) {
-  std::vector<at::Tensor> out = {x};
-  for (int64_t r = 1; r <= bank.size(0); ++r) out.push_back(conv_stream(x, bank[r - 1]));
-  return at::stack(out);
-}
-
-// Phase 1: per stream, depth_read over the expanded sources. → out [m, B, T, d], ζ [m, B, T].
-std::pair<at::Tensor, at::Tensor> read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
-  std::vector<at::Tensor> expanded;
-  for (int64_t n = 0; n < x.size(0); ++n) expanded.push_back(expand_ref(x[n], conv[n]));
-  at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
-  std::vector<at::Tensor> outs, lses;
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    DepthRead d = depth_read(q[r], E[r], E[r]);
-    outs.push_back(d.out);
-    lses.push_back(d.log_partition);
-  }
-  return {at::stack(outs), at::stack(lses)};
-}
-
-// Phase 2 and fusion: merge_partial per stream, then H_pre (eq. 13–14) or the mean.
 at::Tensor fuse_ref(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& partial,
                     const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
-  at::Tensor part = partial.defined() ? expand_ref(partial, pconv) : at::Tensor();
-  std::vector<at::Tensor> z;
-  for (int64_t r = 0; r < q.size(0); ++r)
-    z.push_back(partial.defined() ? merge_partial(DepthRead{out[r], lse[r]}, q[r], part[r], part[r]) : out[r]);
-  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
-  if (!w.defined()) return Z.mean(-2);
-  at::Tensor pre = at::sigmoid(alpha * at::linear(key_norm(Z.flatten(-2)), w) + b);
-  return (pre.unsqueeze(-1) * Z).sum(-2);
+  return reference::msar_fuse(out, lse, q, partial, pconv, w, b, alpha, kKeyNormEps);
 }
 
 // ---- Cases -----------------------------------------------------------------------------------
@@ -129,7 +94,7 @@ void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType d
   if (s.m > 1 && s.K > 2) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
   std::vector<at::Tensor> a, b;
   for (auto& t : in) a.push_back(leaf(t)), b.push_back(leaf(t));
-  auto opt_of = [](const at::Tensor& t, bool on) { return on ? std::optional<at::Tensor>(t) : std::nullopt; };
+  auto opt_of = [](const at::Tensor& t, bool on) { return on ? t : at::Tensor(); };
   at::Tensor h = fused::msar_fuse(a[0], a[1], a[2], opt_of(a[3], with_partial), opt_of(a[4], with_partial),
                                   opt_of(a[5], hpre), opt_of(a[6], hpre), opt_of(a[7], hpre), kKeyNormEps);
   const at::Tensor none;
@@ -196,7 +161,7 @@ TEST(FusedMsar, ReadThenFuseEqualsOneSoftmaxOverAllCandidates) {
   at::Tensor q = at::randn({s.m, s.d}, g, opt), x = at::randn({s.N + 1, s.B, s.T, s.d}, g, opt);
   at::Tensor conv = at::randn({s.N + 1, s.m - 1, s.d, s.K}, g, opt);
   auto [out, lse] = fused::msar_read(q, x.narrow(0, 0, s.N), conv.narrow(0, 0, s.N), kKeyNormEps);
-  at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], std::nullopt, std::nullopt, std::nullopt, kKeyNormEps);
+  at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], at::Tensor(), at::Tensor(), at::Tensor(), kKeyNormEps);
   auto [all, all_lse] = read_ref(q, x, conv);
   EXPECT_TRUE(near(h, all.mean(0), 1e-10, "merged read vs one softmax"));
 }
@@ -230,7 +195,7 @@ TEST(FusedMsar, BFloat16WithinItsPrecision) {
   EXPECT_EQ(lse.scalar_type(), at::kFloat);
   EXPECT_TRUE(near(out, ref_out, 1e-2, "bf16 out"));  // one bf16 rounding of the output: 2^-8
   EXPECT_TRUE(near(lse, ref_lse, 1e-5, "bf16 log-partition (float32)"));
-  at::Tensor h = fused::msar_fuse(out, lse, bf(q), bf(x[0]), bf(c[0]), std::nullopt, std::nullopt, std::nullopt,
+  at::Tensor h = fused::msar_fuse(out, lse, bf(q), bf(x[0]), bf(c[0]), at::Tensor(), at::Tensor(), at::Tensor(),
                                   kKeyNormEps);
   at::Tensor ref_h = fuse_ref(out.to(at::kFloat), lse, back(q), back(x[0]), back(c[0]), {}, {}, {});
   EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));
@@ -242,7 +207,7 @@ TEST(FusedMsar, BadShapesAreClearErrors) {
   expect_error([&] { fused::msar_read(at::zeros({3, 5}), x, at::zeros({2, 2, 5, 3}), kKeyNormEps); },
                {"msar_read", "d = 5"});
   at::Tensor out = at::zeros({3, 1, 5, 4}), lse = at::zeros({3, 1, 5});
-  expect_error([&] { fused::msar_fuse(out, lse, q, x[0], std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1e-6); },
+  expect_error([&] { fused::msar_fuse(out, lse, q, x[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), 1e-6); },
                {"msar_fuse", "together"});
 }
 

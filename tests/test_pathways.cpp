@@ -22,7 +22,8 @@
 #include <map>
 
 #include "depthkit/model/transformer.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/mhc.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/fs.h"
@@ -839,7 +840,7 @@ TEST(Mhc, SinkhornIsNonNegativeWithColumnsSummingToOne) {
   auto g = gen(3);
   for (double spread : {0.0, 0.01, 1.0, 4.0}) {  // at initialisation (≈ 0) and on random logits
     at::Tensor logits = at::randn({1000, 4, 4}, g, at::TensorOptions().dtype(at::kFloat)) * spread;
-    at::Tensor h = sinkhorn(logits.exp(), 20);
+    at::Tensor h = reference::sinkhorn(logits.exp(), 20);
     EXPECT_GE(h.min().item<float>(), 0.0f);
     EXPECT_LT((h.sum(-2) - 1).abs().max().item<float>(), 1e-6f) << "columns, spread " << spread;
     // Rows are not exactly normalised after 20 rounds (reported in docs/design.md).

@@ -144,11 +144,11 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at
 }
 
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
-                     const std::optional<at::Tensor>& partial, const std::optional<at::Tensor>& partial_conv,
-                     const std::optional<at::Tensor>& w_pre, const std::optional<at::Tensor>& b_pre,
-                     const std::optional<at::Tensor>& alpha_pre, double eps) {
+                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
   static auto fuse = op<FuseSig>("depthkit::msar_fuse");
-  return fuse.call(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, eps);
+  return fuse.call(out, log_partition, queries, wrap(partial), wrap(partial_conv), wrap(w_pre), wrap(b_pre),
+                   wrap(alpha_pre), eps);
 }
 
 }  // namespace fused

@@ -13,10 +13,10 @@
 #include <functional>
 
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/mhc_ops.h"
-#include "depthkit/pathways/mhc.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
@@ -72,18 +72,20 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
   std::vector<Case> out;
   {  // AttnRes's completed read: keys = values = the sources.
     at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d});
-    out.push_back({"depth_read", {q, src},
-                   [=] { return Outputs{std::get<0>(fused::depth_read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; },
-                   [=] { return Outputs{depth_read(q, src, src).out}; },
+    auto outputs = [=](auto read) {
+      return [=] { return Outputs{std::get<0>(read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; };
+    };
+    out.push_back({"depth_read", {q, src}, outputs(fused::depth_read), outputs(reference::depth_read),
                    {cotangent({P, d})},
                    // forward: sources in, out; backward: ∂out and sources in, ∂sources out
                    F * (3 * N + 2) * P * d});
   }
   {  // The merge of the block's partial (key = value = the partial sum).
     at::Tensor o = leaf({P, d}), lse = leaf({P}), q = leaf({d}, 0.5), part = leaf({P, d});
-    out.push_back({"depth_merge", {o, lse, q, part},
-                   [=] { return Outputs{fused::depth_merge(o, lse, q, part, at::Tensor(), kKeyNormEps)}; },
-                   [=] { return Outputs{merge_partial({o, lse}, q, part, part)}; },
+    auto outputs = [=](auto merge) {
+      return [=] { return Outputs{merge(o, lse, q, part, at::Tensor(), kKeyNormEps)}; };
+    };
+    out.push_back({"depth_merge", {o, lse, q, part}, outputs(fused::depth_merge), outputs(reference::depth_merge),
                    {cotangent({P, d})},
                    // forward: out, partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
                    F * 8 * P * d});
@@ -121,11 +123,13 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
   {  // mHC (m = 4 streams): the pre-mix, Sinkhorn–Knopp (20 rounds) and the post + res merge.
     const int64_t m = 4, n = m * m + 2 * m;
     std::vector<at::Tensor> t = {leaf({P, m, d}), leaf({n, m * d}, 0.02), leaf({n}), leaf({3}, 0.5)};
-    auto pre = [](const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) {
-      return Outputs{std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    auto pre = [=](auto op) {
+      return [=] {
+        auto [h, post, res] = op(t[0], t[1], t[2], t[3], kKeyNormEps);
+        return Outputs{h, post, res};
+      };
     };
-    out.push_back({"mhc_pre", t, [=] { return pre(fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps)); },
-                   [=] { return pre(mhc_pre_reference(t[0], t[1], t[2], t[3])); },
+    out.push_back({"mhc_pre", t, pre(fused::mhc_pre), pre(reference::mhc_pre),
                    {cotangent({P, d}), cotangent({P, m}), cotangent({P, m, m})},
                    // forward: x in, h; backward: ∂h, x in, ∂x (the n-wide logits are small)
                    F * (3 * m + 2) * P * d,
@@ -134,12 +138,13 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                      at::Tensor u = at::mm(X, phi.t()), dx = at::mm(du, phi), dphi = at::mm(du.t(), X);
                    }});
     at::Tensor logits = leaf({P, m, m});
-    out.push_back({"mhc_sinkhorn", {logits}, [=] { return Outputs{fused::mhc_sinkhorn(logits, 20)}; },
-                   [=] { return Outputs{mhc_sinkhorn_reference(logits, 20)}; }, {cotangent({P, m, m})},
+    auto sinkhorn = [=](auto op) { return [=] { return Outputs{op(logits, 20)}; }; };
+    out.push_back({"mhc_sinkhorn", {logits}, sinkhorn(fused::mhc_sinkhorn), sinkhorn(reference::mhc_sinkhorn),
+                   {cotangent({P, m, m})},
                    F * 5 * P * m * m});  // forward: logits in, H out; backward: ∂H, logits in, ∂logits
     std::vector<at::Tensor> u = {leaf({P, m, d}), leaf({P, d}), leaf({P, m}), leaf({P, m, m})};
-    out.push_back({"mhc_merge", u, [=] { return Outputs{fused::mhc_merge(u[0], u[1], u[2], u[3])}; },
-                   [=] { return Outputs{mhc_merge_reference(u[0], u[1], u[2], u[3])}; }, {cotangent({P, m, d})},
+    auto merge = [=](auto op) { return [=] { return Outputs{op(u[0], u[1], u[2], u[3])}; }; };
+    out.push_back({"mhc_merge", u, merge(fused::mhc_merge), merge(reference::mhc_merge), {cotangent({P, m, d})},
                    // forward: x, f in, x'; backward: ∂x', x, f in, ∂x, ∂f
                    F * (5 * m + 3) * P * d});
   }

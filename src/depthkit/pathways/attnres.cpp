@@ -5,8 +5,9 @@
 #include <ATen/ops/ones_like.h>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 
 namespace depthkit {
 
@@ -48,18 +49,14 @@ at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
 at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
                                  const at::Tensor& key_part, const at::Tensor& value_part) const {
   // vals / value_part undefined: the values are the keys (no SepV maps).
-  if (!fused_) {
-    DepthRead hist = depth_read(q, keys, vals.defined() ? vals : keys);
-    return key_part.defined() ? merge_partial(hist, q, key_part, value_part.defined() ? value_part : key_part)
-                              : hist.out;
-  }
+  auto read = fused_ ? fused::depth_read : reference::depth_read;
+  auto merge = fused_ ? fused::depth_merge : reference::depth_merge;
   const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
   auto flat = [&](const at::Tensor& x, at::IntArrayRef shape) { return x.defined() ? x.reshape(shape) : x; };
-  auto [out, lse] = fused::depth_read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}),
-                                      kKeyNormEps);
-  at::Tensor h = key_part.defined() ? fused::depth_merge(out[0], lse[0], q, key_part.reshape({B * T, d}),
-                                                         flat(value_part, {B * T, d}), kKeyNormEps)
-                                    : out[0];
+  auto [out, lse] = read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}), kKeyNormEps);
+  at::Tensor h = key_part.defined()
+                     ? merge(out[0], lse[0], q, key_part.reshape({B * T, d}), flat(value_part, {B * T, d}), kKeyNormEps)
+                     : out[0];
   return h.view({B, T, d});
 }
 

@@ -7,8 +7,9 @@
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 
 namespace depthkit {
 
@@ -105,13 +106,13 @@ at::Tensor Dar::finish(PathwayState& state) {
   if (observer_) observe_read(state, schedule_.branches + 1, out_q0_, out_q1_);
   const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+  auto read = fused_ ? fused::depth_read : reference::depth_read;
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
   for (int j = 0; j < 2; ++j) {
     auto [k, v] = route(routing_, j);
     const at::Tensor& q = j == 0 ? out_q0_ : out_q1_;
     const at::Tensor keys = completed[k].view({N, B * T, d}), values = completed[v].view({N, B * T, d});
-    at::Tensor o = fused_ ? std::get<0>(fused::depth_read(q.unsqueeze(0), keys, values, kKeyNormEps))[0]
-                          : depth_read(q, keys, values).out;
+    at::Tensor o = std::get<0>(read(q.unsqueeze(0), keys, values, kKeyNormEps))[0];
     out = j == 0 ? o : out + o;
   }
   return out.view({B, T, d});
