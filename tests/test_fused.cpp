@@ -177,4 +177,114 @@ TEST(FusedDepthRead, BadShapesAreClearErrors) {
   expect_error([&] { fused::depth_read(at::zeros({2, 3}), k, k, kKeyNormEps); }, {"depth_read", "d = 3"});
 }
 
+// ---- Thread count ----------------------------------------------------------------------------
+
+namespace {
+
+using Op = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// The outputs of `op` on leaf copies of `inputs` and, from fixed random cotangents of them, the
+// gradient of every input, with `threads` intra-op threads.
+std::vector<at::Tensor> outputs_and_gradients(const Op& op, const std::vector<at::Tensor>& inputs, int threads) {
+  IntraOpThreads scope(threads);
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_());
+  std::vector<at::Tensor> outs = op(leaves), cotangents;
+  auto g = generator(99);
+  for (const auto& o : outs) cotangents.push_back(at::randn(o.sizes(), g, o.options()));
+  torch::autograd::backward(outs, cotangents);
+  std::vector<at::Tensor> result;
+  for (const auto& o : outs) result.push_back(o.detach());
+  for (const auto& l : leaves) result.push_back(l.grad());
+  return result;
+}
+
+// Runs `op` on 1, 2 and 3 threads: outputs and gradients must be equal bit for bit. (Token-summed
+// gradients are added per fixed block of tokens, never per thread: kernel_math.h, causal_window.h.)
+void expect_thread_independent(const char* name, const Op& op, const std::vector<at::Tensor>& inputs) {
+  SCOPED_TRACE(name);
+  const std::vector<at::Tensor> one = outputs_and_gradients(op, inputs, 1);
+  for (int threads : {2, 3}) {
+    const std::vector<at::Tensor> many = outputs_and_gradients(op, inputs, threads);
+    ASSERT_EQ(one.size(), many.size());
+    for (size_t i = 0; i < one.size(); ++i) {
+      ASSERT_TRUE(one[i].defined() && many[i].defined()) << "tensor " << i;
+      EXPECT_TRUE(at::equal(one[i], many[i])) << "tensor " << i << " (outputs first, then the inputs' gradients) differs "
+                                              << "between 1 and " << threads << " threads: max |diff| "
+                                              << (one[i] - many[i]).abs().max().item<double>();
+    }
+  }
+}
+
+}  // namespace
+
+// Every fused operator gives the same outputs and gradients, bit for bit, on 1, 2 and 3 threads
+// (so a run's numbers do not depend on train.threads). The shapes are large enough that every
+// kernel splits its tokens across the threads (≥ 2 blocks of summed tokens; MSAR: ≥ 2 groups of tiles).
+TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
+  auto g = generator(31);
+  const int64_t N = 4, B = 3, T = 200, P = B * T, d = 40, m = 4, K = 5;
+  auto randn = [&](at::IntArrayRef shape, double scale = 1.0) { return at::randn(shape, g) * scale; };
+  expect_thread_independent(
+      "depth_read",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [out, lse] = fused::depth_read(t[0], t[1], t[2], kKeyNormEps);
+        return std::vector<at::Tensor>{out, lse};
+      },
+      {randn({2, d}), randn({N, P, d}), randn({N, P, d})});
+  expect_thread_independent(
+      "depth_merge",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::depth_merge(t[0], t[1], t[2], t[3], t[4], kKeyNormEps)};
+      },
+      {randn({P, d}), randn({P}), randn({d}), randn({P, d}), randn({P, d})});
+  expect_thread_independent(
+      "dar_read",
+      [&](const std::vector<at::Tensor>& t) {
+        fused::DarRead r =
+            fused::dar_read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
+        return std::vector<at::Tensor>{r.h, r.beta};
+      },
+      {randn({2, d}), randn({N, P, d}), randn({N, P, d}), randn({P, d}), randn({P, d}), randn({2, 2 * d}, 0.1),
+       randn({2}), randn({2, 2 * d}, 0.1), randn({2})});
+  expect_thread_independent(
+      "dar_write",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [p0, p1] = fused::dar_write(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
+        return std::vector<at::Tensor>{p0, p1};
+      },
+      {randn({P, d}), at::rand({P, 2}, g) * 2, randn({P, d}), randn({P, d}), randn({1, 2 * d}, 0.1), randn({1})});
+  expect_thread_independent(
+      "msar_read",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [out, lse] = fused::msar_read(t[0], t[1], t[2], kKeyNormEps);
+        return std::vector<at::Tensor>{out, lse};
+      },
+      {randn({m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)});
+  expect_thread_independent(
+      "msar_fuse",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::msar_fuse(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps)};
+      },
+      {randn({m, B, T, d}), randn({m, B, T}), randn({m, d}), randn({B, T, d}), randn({m - 1, d, K}, 0.5),
+       randn({m, m * d}, 0.05), randn({m}), randn({1})});
+  expect_thread_independent(
+      "mhc_pre",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [h, post, res] = fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps);
+        return std::vector<at::Tensor>{h, post, res};
+      },
+      {randn({P, m, d}), randn({m * m + 2 * m, m * d}, 0.05), randn({m * m + 2 * m}), randn({3}, 0.5)});
+  expect_thread_independent(
+      "mhc_sinkhorn",
+      [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{fused::mhc_sinkhorn(t[0], 20)}; },
+      {randn({P, m, m})});
+  expect_thread_independent(
+      "mhc_merge",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::mhc_merge(t[0], t[1], t[2], t[3])};
+      },
+      {randn({P, m, d}), randn({P, d}), randn({P, m}), randn({P, m, m})});
+}
+
 }  // namespace depthkit::test

@@ -94,7 +94,7 @@ void logits(const Candidates<scalar_t>& cand, const scalar_t* q, const DarRoutin
       else if (for0) std::tie(xx, d0) = square_and_dot<acc_t>(x, q, d);
       else if (for1) std::tie(xx, d1) = square_and_dot<acc_t>(x, q + d, d);
       else xx = dot<acc_t>(x, x, d);
-      const acc_t sc = acc_t(1) / std::sqrt(xx / acc_t(d) + acc_t(eps));
+      const acc_t sc = inv_rms<acc_t>(xx, d, eps);
       if (for0) a[c] = sc * d0;
       if (for1) a[C + c] = sc * d1;
       if (s_out) s_out[st * C + c] = sc;
@@ -121,7 +121,7 @@ GateLogits<acc_t> gate_logits(const acc_t* u, const scalar_t* wa, const scalar_t
     b0 += acc_t(wb[i]) * ui;
     b1 += acc_t(wb[n + i]) * ui;
   }
-  return {acc_t(1) / std::sqrt(uu / acc_t(n) + acc_t(eps)), {a0, a1}, {b0, b1}};
+  return {inv_rms<acc_t>(uu, n, eps), {a0, a1}, {b0, b1}};
 }
 
 // The gates' backward over u = [z⁰; z¹] (2d) from the logit gradients ∂ℓα, ∂ℓβ (eq. 13–15):
@@ -357,7 +357,7 @@ std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const
           continue;
         }
         const scalar_t *x0 = pp0 + p * d, *x1 = pp1 + p * d;
-        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(x0, x0, d) + dot<acc_t>(x1, x1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(x0, x0, d) + dot<acc_t>(x1, x1, d), 2 * d, eps);
         const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, x0, d) + dot<acc_t>(wrp + d, x1, d)) + brv);
         for (int64_t i = 0; i < d; ++i) {
           const acc_t a0 = acc_t(x0[i]), a1 = acc_t(x1[i]), fi = acc_t(fr[i]);
@@ -409,7 +409,7 @@ std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::T
         gbp[2 * p + 1] = dot<acc_t>(x1, fr, d);
         if (!transport) continue;
         const scalar_t *a0 = pp0 + p * d, *a1 = pp1 + p * d;
-        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(a0, a0, d) + dot<acc_t>(a1, a1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(a0, a0, d) + dot<acc_t>(a1, a1, d), 2 * d, eps);
         const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, a0, d) + dot<acc_t>(wrp + d, a1, d)) + brv);
         const acc_t drho = dot_of_differences<acc_t>(x0, x1, a0, a1, d);  // (g⁰ − g¹)·(P⁰ − P¹)
         const acc_t dl = drho * rho * (acc_t(1) - rho);

@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
         for (int64_t r = 0; r < N; ++r) {
           const scalar_t* kr = kp + (r * P + p) * d;
           const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
-          const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          const acc_t s = inv_rms<acc_t>(kk, d, eps);
           a[r] = s * qk;
           for (int64_t m = 1; m < M; ++m) a[m * N + r] = s * dot<acc_t>(qp + m * d, kr, d);
         }
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
           } else {
             std::tie(kk, qk[r]) = square_and_dot<acc_t>(kr, qp, d);
           }
-          s[r] = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          s[r] = inv_rms<acc_t>(kk, d, eps);
         }
         for (int64_t m = 0; m < M; ++m) {
           const scalar_t* qm = qp + m * d;
@@ -206,7 +206,7 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t* kr = kp + p * d;
         const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
-        const acc_t a = qk / std::sqrt(kk / acc_t(d) + acc_t(eps));  // (A.8)
+        const acc_t a = qk * inv_rms<acc_t>(kk, d, eps);  // (A.8)
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));      // σ(ζ − a) (A.9)
         for (int64_t i = 0; i < d; ++i)
           hp[p * d + i] = scalar_t(lambda * acc_t(op[p * d + i]) + (acc_t(1) - lambda) * acc_t(vp[p * d + i]));  // (A.10)
@@ -241,7 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
         const scalar_t *kr = kp + p * d, *gr = gp + p * d, *orow = op + p * d, *vr = vp + p * d;
         // One pass for the key's norm, q · k and ∂h/∂λ · g = g · (out − v_part).
         const auto [kk, qk, dlambda] = merge_reductions<acc_t>(kr, qp, gr, orow, vr, d);
-        const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps)), a = s * qk;
+        const acc_t s = inv_rms<acc_t>(kk, d, eps), a = s * qk;
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));
         const acc_t dz = dlambda * lambda * (acc_t(1) - lambda);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
         glp[p] = dz;
