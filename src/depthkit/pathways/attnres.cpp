@@ -8,6 +8,7 @@
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
 
 namespace depthkit {
 
@@ -90,6 +91,58 @@ at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
   if (observer_) observer_->on_retrieval(schedule_.branches + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
   return read_sources(out_query_, s.completed.stacked(), value_maps_.empty() ? at::Tensor() : s.values.stacked(), {}, {});
+}
+
+// ---- Registry entries (registry.h) --------------------------------------------------------------
+
+namespace {
+
+// AttnRes (eq. 9, two-phase): keys normalised once per append, per read scores and value sums
+// over the completed sources, the partial's norm, score and merge, the block accumulation.
+double attnres_flops(const CostShape& s, bool sepv) {
+  using namespace cost;
+  double f = (s.N + 1) * kNorm * s.d;                              // key norms, once per source
+  if (sepv) f += (s.N + 1) * 2 * s.d * s.d;                        // value maps W_v,r (eq. 21)
+  for (int64_t l = 2; l <= int64_t(s.L); ++l) {
+    f += double(s.completed_before(l)) * (kScore + kValue) * s.d;  // phase 1
+    if (!s.first_in_block(l)) {
+      f += (kNorm + kScore + kMerge) * s.d + s.d;                  // phase 2, partial += f
+      if (sepv) f += 2 * s.d * s.d;                                // the partial's value map
+    }
+  }
+  return f + (s.N + 1) * (kScore + kValue) * s.d;                  // output query
+}
+
+PathwayKind attnres_kind(const char* name, bool sepv) {
+  PathwayKind k;
+  k.name = name;
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) {
+    return std::make_unique<AttnRes>(r, m, p);
+  };
+  k.analyses = {"maps"};
+  k.flops = [sepv](const CostShape& s, const ResidualConfig&) { return attnres_flops(s, sepv); };
+  return k;
+}
+
+}  // namespace
+
+PathwayKind attnres_pathway_kind() {
+  PathwayKind k = attnres_kind("attnres", false);
+  k.traffic = [](const CostShape& s) {
+    return std::vector<TrafficTerm>{{"phase 1 (amortised)", s.N / s.S, 1}, {"phase 2", 3, 1}};
+  };
+  return k;
+}
+
+PathwayKind attnres_sepv_pathway_kind() {
+  PathwayKind k = attnres_kind("attnres_sepv", true);
+  k.traffic = [](const CostShape& s) {  // values read apart from keys; each source and partial mapped
+    return std::vector<TrafficTerm>{{"phase 1: keys and values (amortised)", 2 * s.N / s.S, 1},
+                                    {"value map of completed sources (amortised)", 1 / s.S, 1 / s.S},
+                                    {"value map of the partial", 1, 1},
+                                    {"phase 2", 4, 1}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

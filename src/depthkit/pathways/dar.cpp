@@ -10,6 +10,8 @@
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit {
 
@@ -144,6 +146,43 @@ void Dar::observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, con
     const int k = route(routing_, j).first;  // the weights depend on the keys only
     observer_->on_retrieval(l, j, depth_weights(j == 0 ? q0 : q1, completed[k], partial[k]), s.p0.defined());
   }
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind dar_pathway_kind() {
+  PathwayKind k;
+  k.name = "dar";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Dar>(r, m, p); };
+  k.validate = [](const ResidualConfig& r, const std::string& where) {
+    if (r.block_sublayers == 1)
+      fail(where, ": key 'residual.block_sublayers' = 1 is degenerate for DAR: a one-branch block stores "
+           "beta (x) f(h), two collinear streams (DAR eq. 19-20); use 2 (Full DAR, one layer) or more");
+  };
+  k.analyses = {"maps", "cka", "rescue", "gates"};
+  k.streams = 2;
+  // eq. 10–18: both streams read, gates α, β on Norm([h⁰; h¹]), the gated write with M(ρ).
+  k.flops = [](const CostShape& s, const ResidualConfig&) {
+    using namespace cost;
+    double f = (s.N + 1) * 2 * kNorm * s.d;  // both streams' key norms, once per entry
+    for (int64_t l = 1; l <= int64_t(s.L); ++l) {
+      f += 2 * double(s.completed_before(l)) * (kScore + kValue) * s.d;
+      f += 2 * kNorm * s.d + 2 * (2 * 2 * s.d) + 3 * s.d;  // Norm([h⁰;h¹]), α and β (2×2d each), α⁰h⁰ + α¹h¹
+      f += 2 * s.d;                                        // β ⊗ f
+      if (!s.first_in_block(l))
+        f += 2 * (kNorm + kScore + kMerge) * s.d            // the partials
+             + 2 * kNorm * s.d + 2 * 2 * s.d                // ρ = σ(Norm([P⁰;P¹]) W_ρ + b_ρ)
+             + 2 * 3 * s.d + 2 * s.d;                       // M(ρ) P, + β ⊗ f
+    }
+    return f + 2 * (s.N + 1) * (kScore + kValue) * s.d + s.d;  // two output reads, h⁰ + h¹
+  };
+  // Both streams' sources once; the merge reads two outputs and two partials.
+  k.traffic = [](const CostShape& s) {
+    return std::vector<TrafficTerm>{{"phase 1: both streams (amortised)", 2 * s.N / s.S, 2},
+                                    {"phase 2: merge and alpha gate", 4, 1},
+                                    {"gated write with transport", 3, 2}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

@@ -13,7 +13,7 @@
 // appended as H_b = P^S at the block boundary (eq. 18; the last block may be shorter). Two output
 // queries read the completed history the same way; h_out = h⁰_out + h¹_out.
 //
-// Initialisation (DESIGN.md): queries 0 (uniform retrieval); W_α, W_β normal(0, 0.2/√(2d)), so
+// Initialisation (docs/design.md, "DAR"): queries 0 (uniform retrieval); W_α, W_β normal(0, 0.2/√(2d)), so
 // their logits have standard deviation 0.2 at any width: small and random, to break the swap
 // symmetry of the two streams (swapping them is otherwise a symmetry of the model and its gradients); W_ρ 0; b_α = b_β = 0 so that
 // α ≈ (½, ½) and β ≈ (1, 1); b_ρ = 4 so that ρ ≈ 0.98 (transport near identity). DAR then starts

@@ -6,6 +6,7 @@
 #include "depthkit/ops/mhc_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
 
 namespace depthkit {
 
@@ -66,5 +67,32 @@ void Mhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& 
 }
 
 at::Tensor Mhc::last_h_res(PathwayState& state) { return streams(state).h_res; }
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind mhc_pathway_kind() {
+  PathwayKind k;
+  k.name = "mhc";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Mhc>(r, m, p); };
+  k.analyses = {"cka", "rescue"};
+  k.blocks = false;
+  // eq. 3–5: the md × (m² + 2m) projection on the normalised state, Sinkhorn on m × m, the
+  // pre-mix, post and res maps.
+  k.flops = [](const CostShape& s, const ResidualConfig& r) {
+    const double md = s.m * s.d, n = s.m * s.m + 2 * s.m;
+    const double per_branch = cost::kNorm * md + 2 * md * n + s.m * s.m * (1 + 4 * double(r.sinkhorn_iters))  // exp, rows/cols
+                              + 2 * md + md + 2 * s.m * md + md;  // H_pre x, H_post f, H_res x, + together
+    return s.L * per_branch + md;                                 // sum of streams
+  };
+  k.traffic = [](const CostShape& s) {
+    const double m = s.m;
+    return std::vector<TrafficTerm>{{"compute mixing coefficients", m, 0},
+                                    {"apply H_pre", m, 1},
+                                    {"apply H_post", 1, m},
+                                    {"apply H_res", m, m},
+                                    {"residual merge", 2 * m, m}};
+  };
+  return k;
+}
 
 }  // namespace depthkit

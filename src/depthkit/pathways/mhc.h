@@ -1,5 +1,5 @@
-// Manifold-constrained Hyper-Connections, mHC (MSAR eq. 3–5; Xie et al.; DESIGN.md settles the
-// parameterisation, which DeepSeek's reference code and Megatron share).
+// Manifold-constrained Hyper-Connections, mHC (MSAR eq. 3–5; Xie et al.; docs/design.md, "mHC",
+// settles the parameterisation, which DeepSeek's reference code and Megatron share).
 //
 // The state is m streams X = (x_1 … x_m), all starting as the embedding. For branch ℓ, from the
 // flattened state x = [x_1; …; x_m] ∈ R^{md}:

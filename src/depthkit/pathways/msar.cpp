@@ -6,11 +6,14 @@
 #include <ATen/ops/stack.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit {
 
@@ -109,6 +112,43 @@ void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 at::Tensor Msar::finish(PathwayState& state) {
   Sources& s = sources(state);
   return s.last_input + s.last_output;  // residual merge of the last branch
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind msar_pathway_kind() {
+  PathwayKind k;
+  k.name = "msar";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Msar>(r, m, p); };
+  k.validate = [](const ResidualConfig& r, const std::string& where) {
+    if (r.conv && int64_t(r.kernels.size()) != r.streams - 1)
+      fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
+           r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
+  };
+  k.analyses = {"maps"};
+  // eq. 10–17: causal depthwise expansion of each source (once, N appends; the last output is
+  // merged, not expanded) and of each partial, per-stream reads, H_pre fusion.
+  k.flops = [](const CostShape& s, const ResidualConfig& r) {
+    using namespace cost;
+    const double conv = r.conv ? 2 * s.d * double(std::accumulate(r.kernels.begin(), r.kernels.end(), int64_t(0))) : 0;
+    double f = s.N * (conv + s.m * kNorm * s.d);
+    for (int64_t l = 1; l <= int64_t(s.L); ++l) {
+      f += s.m * double(s.completed_before(l)) * (kScore + kValue) * s.d;
+      if (!s.first_in_block(l)) f += conv + s.m * (kNorm + kScore + kMerge) * s.d + s.d;
+      f += r.fusion == "mean" ? s.m * s.d
+                              : kNorm * s.m * s.d + 2 * s.m * s.d * s.m + 2 * s.m * s.d;  // Norm, W_pre, Σ H_pre Z
+    }
+    return f + s.d;  // h_L + f_L(h_L)
+  };
+  k.traffic = [](const CostShape& s) {
+    const double NS = s.N / s.S, m = s.m;
+    return std::vector<TrafficTerm>{{"phase 1: logits (amortised)", NS / 2, 0},
+                                    {"phase 1: values (amortised)", NS / 2, m},
+                                    {"phase 2: partial update and scoring", 2, 1},
+                                    {"phase 2: merge and H_pre gate", m + 1, m},
+                                    {"stream aggregation", m, 1}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

@@ -1,4 +1,4 @@
-// The one seam between the backbone and its residual pathway (DESIGN.md, "The one seam").
+// The one seam between the backbone and its residual pathway (docs/design.md, "The seam").
 // The backbone drives every branch ℓ = 1 … L_b (attention and feed-forward alternate) as
 //
 //   state = path.begin(embedding)
@@ -19,9 +19,9 @@ namespace depthkit {
 
 class ParameterStore;
 
-// What analysis sees of a pathway (DESIGN.md: an observer, so that analysis code does not reach
-// into a pathway's internals). Every callback is optional; the tensors are detached, and an
-// observer must not modify them.
+// What analysis sees of a pathway (docs/design.md, "The seam": an observer, so that analysis code
+// does not reach into a pathway's internals). Every callback is optional; the tensors are
+// detached, and an observer must not modify them.
 class PathwayObserver {
  public:
   virtual ~PathwayObserver() = default;
@@ -105,7 +105,8 @@ class StackedHistory {
 // Throws unless `states` holds `expected` tensors (for set_stream_states of pathway `kind`).
 void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind);
 
-// Builds the pathway named by residual.kind, registering its parameters (component "residual").
+// Builds the pathway named by residual.kind, registering its parameters (component "residual"):
+// the factory of its entry in the pathway registry (pathways/registry.h, registry.cpp).
 std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,
                                               ParameterStore& params);
 
