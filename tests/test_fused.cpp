@@ -36,44 +36,37 @@ std::tuple<at::Tensor, at::Tensor> reference_read(const at::Tensor& q, const at:
 }
 
 void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.M * 100 + s.N * 10 + s.P);
+  const uint64_t seed = s.M * 100 + s.N * 10 + s.P;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor q = (at::randn({s.M, s.d}, g, opt) * 1.5).requires_grad_();
-  at::Tensor k = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
-  at::Tensor v = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
-  at::Tensor q2 = q.detach().clone().requires_grad_(), k2 = k.detach().clone().requires_grad_(),
-             v2 = v.detach().clone().requires_grad_();
-  auto [out, lse] = fused::depth_read(q, k, v, kKeyNormEps);
-  auto [ref_out, ref_lse] = reference_read(q2, k2, v2);
-  EXPECT_TRUE(near(out, ref_out, rtol, "out"));
-  EXPECT_TRUE(near(lse, ref_lse, rtol, "log-partition"));
-  at::Tensor w_out = at::randn(out.sizes(), g, opt), w_lse = at::randn(lse.sizes(), g, opt);
-  ((out * w_out).sum() + (lse * w_lse).sum()).backward();
-  ((ref_out * w_out).sum() + (ref_lse * w_lse).sum()).backward();
-  EXPECT_TRUE(near(q.grad(), q2.grad(), rtol, "d queries"));
-  EXPECT_TRUE(near(k.grad(), k2.grad(), rtol, "d keys"));
-  EXPECT_TRUE(near(v.grad(), v2.grad(), rtol, "d values"));
+  std::vector<at::Tensor> in = {at::randn({s.M, s.d}, g, opt) * 1.5, at::randn({s.N, s.P, s.d}, g, opt),
+                                at::randn({s.N, s.P, s.d}, g, opt)};
+  auto read = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) {
+      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+      return std::vector<at::Tensor>{out, lse};
+    };
+  };
+  compare(in, read(fused::depth_read), read(reference::depth_read), rtol, {"out", "log-partition"},
+          {"queries", "keys", "values"}, seed);
 }
 
+// Fused: the read then the merge; reference: one softmax over all N + 1 candidates.
 void compare_merge(int64_t N, int64_t P, int64_t d, at::ScalarType dtype, double rtol) {
   auto g = generator(P * 10 + d);
   const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor q = (at::randn({d}, g, opt) * 1.5).requires_grad_();
-  at::Tensor k = at::randn({N, P, d}, g, opt).requires_grad_(), v = at::randn({N, P, d}, g, opt).requires_grad_();
-  at::Tensor kp = at::randn({P, d}, g, opt).requires_grad_(), vp = at::randn({P, d}, g, opt).requires_grad_();
-  std::vector<at::Tensor> leaves = {q, k, v, kp, vp}, copies;
-  for (auto& t : leaves) copies.push_back(t.detach().clone().requires_grad_());
-  // Fused: the read then the merge; reference: one softmax over all N + 1 candidates.
-  auto [out, lse] = fused::depth_read(q.unsqueeze(0), k, v, kKeyNormEps);
-  at::Tensor h = fused::depth_merge(out[0], lse[0], q, kp, vp, kKeyNormEps);
-  at::Tensor ref = depth_read(copies[0], at::cat({copies[1], copies[3].unsqueeze(0)}),
-                              at::cat({copies[2], copies[4].unsqueeze(0)})).out;
-  EXPECT_TRUE(near(h, ref, rtol, "merged"));
-  at::Tensor w = at::randn(h.sizes(), g, opt);
-  (h * w).sum().backward();
-  (ref * w).sum().backward();
-  const char* names[] = {"d query", "d keys", "d values", "d key_part", "d value_part"};
-  for (size_t i = 0; i < leaves.size(); ++i) EXPECT_TRUE(near(leaves[i].grad(), copies[i].grad(), rtol, names[i]));
+  std::vector<at::Tensor> in = {at::randn({d}, g, opt) * 1.5, at::randn({N, P, d}, g, opt),
+                                at::randn({N, P, d}, g, opt), at::randn({P, d}, g, opt), at::randn({P, d}, g, opt)};
+  auto fused_merge = [](const std::vector<at::Tensor>& t) {
+    auto [out, lse] = fused::depth_read(t[0].unsqueeze(0), t[1], t[2], kKeyNormEps);
+    return std::vector<at::Tensor>{fused::depth_merge(out[0], lse[0], t[0], t[3], t[4], kKeyNormEps)};
+  };
+  auto one_softmax = [](const std::vector<at::Tensor>& t) {
+    return std::vector<at::Tensor>{
+        depth_read(t[0], at::cat({t[1], t[3].unsqueeze(0)}), at::cat({t[2], t[4].unsqueeze(0)})).out};
+  };
+  compare(in, fused_merge, one_softmax, rtol, {"merged"}, {"query", "keys", "values", "key_part", "value_part"},
+          P * 10 + d + 1);
 }
 
 }  // namespace

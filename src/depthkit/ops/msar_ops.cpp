@@ -90,26 +90,6 @@ at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, cons
   return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward_cpu(const OptTensor& grad_out, const OptTensor& grad_lse,
-                                                                      const at::Tensor& q, const at::Tensor& x,
-                                                                      const at::Tensor& c, const at::Tensor& lse,
-                                                                      double eps) {
-  return cpu::msar_read_backward(unwrap(grad_out), unwrap(grad_lse), q, x, c, lse, eps);
-}
-
-at::Tensor msar_fuse_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
-                         const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
-  return cpu::msar_fuse_forward(out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
-                                unwrap(b), unwrap(a), eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                       const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
-  return cpu::msar_fuse_backward(grad, out, lse, q, unwrap(part), unwrap(pconv),
-                                 unwrap(w), unwrap(b), unwrap(a), eps);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
@@ -125,9 +105,9 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
   m.impl("msar_read", &cpu::msar_read_forward);
-  m.impl("msar_read_backward", &msar_read_backward_cpu);
-  m.impl("msar_fuse", &msar_fuse_cpu);
-  m.impl("msar_fuse_backward", &msar_fuse_backward_cpu);
+  m.impl("msar_read_backward", &cpu::msar_read_backward);
+  m.impl("msar_fuse", &cpu::msar_fuse_forward);
+  m.impl("msar_fuse_backward", &cpu::msar_fuse_backward);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {

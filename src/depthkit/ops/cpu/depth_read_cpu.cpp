@@ -63,7 +63,8 @@ std::tuple<acc_t, acc_t, acc_t> merge_reductions(const scalar_t* k, const scalar
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const at::Tensor& values_, double eps) {
+                                                      const OptTensor& values_opt, double eps) {
+  const at::Tensor values_ = unwrap(values_opt);
   const at::Tensor& values = values_.defined() ? values_ : keys;  // undefined: values are the keys
   check_read(queries, keys, values);
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous();
@@ -110,10 +111,12 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out_, const at::Tensor& grad_lse_,
-                                                                   const at::Tensor& queries, const at::Tensor& keys,
-                                                                   const at::Tensor& values_, const at::Tensor& lse_,
-                                                                   double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
+    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, const at::Tensor& keys,
+    const OptTensor& values_opt, const at::Tensor& lse_, double eps) {
+  const at::Tensor grad_out_ = unwrap(grad_out_opt);
+  const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
+  const at::Tensor values_ = unwrap(values_opt);
   // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
   const bool shared = !values_.defined();
   const at::Tensor& values = shared ? keys : values_;
@@ -186,7 +189,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
 }
 
 at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-                               const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+                               const at::Tensor& key_part, const OptTensor& value_part_opt, double eps) {
+  const at::Tensor value_part_ = unwrap(value_part_opt);
   const at::Tensor& value_part = value_part_.defined() ? value_part_ : key_part;  // undefined: the key
   if (out_.dim() != 2 || key_part.sizes() != out_.sizes() || value_part.sizes() != out_.sizes() ||
       lse_.dim() != 1 || lse_.size(0) != out_.size(0) || query.dim() != 1 || query.size(0) != out_.size(1))
@@ -218,7 +222,8 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
     const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-    const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+    const at::Tensor& key_part, const OptTensor& value_part_opt, double eps) {
+  const at::Tensor value_part_ = unwrap(value_part_opt);
   const bool shared = !value_part_.defined();  // the value is the key: one gradient
   const at::Tensor& value_part = shared ? key_part : value_part_;
   const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -1,4 +1,4 @@
-// CPU kernels of the fused mHC operators (MSAR eq. 3–5; DESIGN.md's parameterisation).
+// CPU kernels of the fused mHC operators (MSAR eq. 3–5; the parameterisation of docs/design.md, "mHC").
 //
 // Layout: the streams of token p are x_p = [x_1; …; x_m] ∈ R^{md} (x [P, m, d] contiguous), the
 // branch output f [P, d]; n = m² + 2m logits per token, ordered (pre: m, post: m, res: m² row-major
@@ -240,8 +240,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
-    const at::Tensor& grad_h_, const at::Tensor& grad_post_, const at::Tensor& grad_res_, const at::Tensor& x_,
+    const OptTensor& grad_h_opt, const OptTensor& grad_post_opt, const OptTensor& grad_res_opt, const at::Tensor& x_,
     const at::Tensor& phi, const at::Tensor& bias_, const at::Tensor& scale_, const at::Tensor& proj_, double eps) {
+  const at::Tensor grad_h_ = unwrap(grad_h_opt);
+  const at::Tensor grad_post_ = unwrap(grad_post_opt);
+  const at::Tensor grad_res_ = unwrap(grad_res_opt);
   check_pre(x_, phi, bias_, scale_);
   const int64_t m = x_.size(-2), d = x_.size(-1), n = m * m + 2 * m, md = m * d;
   const auto wide = wide_type(x_.scalar_type());

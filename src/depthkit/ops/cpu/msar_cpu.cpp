@@ -221,11 +221,13 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tensor& grad_out_,
-                                                                  const at::Tensor& grad_lse_,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out_opt,
+                                                                  const OptTensor& grad_lse_opt,
                                                                   const at::Tensor& queries,
                                                                   const at::Tensor& sources, const at::Tensor& conv,
                                                                   const at::Tensor& lse_, double eps) {
+  const at::Tensor grad_out_ = unwrap(grad_out_opt);
+  const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
@@ -311,8 +313,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
 }
 
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
-                             const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                             const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+                             const OptTensor& partial_opt, const OptTensor& partial_conv_opt,
+                             const OptTensor& w_pre_opt, const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt,
+                             double eps) {
+  const at::Tensor partial = unwrap(partial_opt);
+  const at::Tensor partial_conv = unwrap(partial_conv_opt);
+  const at::Tensor w_pre = unwrap(w_pre_opt);
+  const at::Tensor b_pre = unwrap(b_pre_opt);
+  const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
   const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
@@ -372,8 +380,13 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
-                   const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                   const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+                   const OptTensor& partial_opt, const OptTensor& partial_conv_opt, const OptTensor& w_pre_opt,
+                   const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt, double eps) {
+  const at::Tensor partial = unwrap(partial_opt);
+  const at::Tensor partial_conv = unwrap(partial_conv_opt);
+  const at::Tensor w_pre = unwrap(w_pre_opt);
+  const at::Tensor b_pre = unwrap(b_pre_opt);
+  const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
   const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T, L = m - 1;
