@@ -4,12 +4,7 @@
 # the accounting of MSAR Table 6; a scaling fit on points from a known law. Every PNG is checked
 # to be a PNG of the size its figure asks for.
 set -euo pipefail
-DK=$1
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-cd "$TMP"
-fail() { echo "FAIL: $*"; exit 1; }
+source "$(dirname "$0")/lib.sh" "$@"
 # png_size FILE WIDTH HEIGHT: a PNG (signature, IHDR) of exactly that size.
 png_size() {
   python3 - "$@" <<'PY' || fail "$1 is not a ${2}x${3} PNG"

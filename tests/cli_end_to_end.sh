@@ -2,13 +2,7 @@
 # The commands end to end on real text: data prepare (on a slice of the bundled corpus), train,
 # SIGINT → checkpoint → --resume, eval --json, params --json on the paper configs, bench --json.
 set -euo pipefail
-DK=$1
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-cd "$TMP"
-fail() { echo "FAIL: $*"; exit 1; }
-json() { python3 -c "import json,sys; print(json.load(sys.stdin)$1)"; }
+source "$(dirname "$0")/lib.sh" "$@"
 
 # Paper parameter counts (DAR Table A.3), printed by `params --json`.
 for pair in dense-0.1b:98325120 dense-0.3b:304129024 dense-0.5b:491572480 dense-1b:1069631488; do
@@ -109,7 +103,7 @@ assert runs['dar']['depthkit::dar_read']['calls_per_step'] == 4, runs['dar']['de
 assert 'depthkit::dar_read_backward' in runs['dar'], runs['dar'].keys()
 assert all(0 <= p['self_ms_per_step'] <= p['total_ms_per_step'] + 1e-9 for r in runs.values() for p in r.values())
 " || fail "bench --profile"
-# Every fused operator timed against its reference.
+# Every fused operator (all nine) timed against its reference.
 # Each reports the bytes its fused form must move (depth_read at the tiny shapes, N = 5, P = 4096,
 # d = 128: (3N + 2)·P·d floats) and the speedup it would have at copy speed; only mhc_pre has work
 # that fusion cannot remove (its GEMMs).
@@ -122,6 +116,8 @@ assert ops['depth_read']['bytes'] == 4 * 17 * 4096 * 128, ops['depth_read']
 assert all(o['copy_bound_speedup'] > 0 and abs(o['gbs'] - o['bytes'] / o['fused_ms'] / 1e6) < 1e-6 * o['gbs'] for o in ops.values()), r
 assert ops['mhc_pre']['irreducible_ms'] > 0 and all(o['irreducible_ms'] == 0 for k, o in ops.items() if k != 'mhc_pre'), r
 assert r['bandwidth'][0]['copy_gbs'] > 0, r
+nine = {'depth_read', 'depth_merge', 'dar_read', 'dar_write', 'msar_read', 'msar_fuse', 'mhc_pre', 'mhc_sinkhorn', 'mhc_merge'}
+assert set(ops) == nine, sorted(ops)
 " || fail "bench --ops"
 
 # The fused operators follow the reference compositions through training, for every kind

@@ -2,11 +2,7 @@
 # Bad input to every command: a non-zero exit, exactly one line on stderr that names the
 # problem, no crash, and nothing half-written.
 set -uo pipefail
-DK=$1
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-cd "$TMP"
+source "$(dirname "$0")/lib.sh" "$@"
 failures=0; checks=0
 
 # expect_error EXPECTED_SUBSTRING -- ARGS...

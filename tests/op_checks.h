@@ -1,13 +1,17 @@
 // Shared checks of the fused-operator tests: seeded generators, a relative comparison that names
-// what differs, and a central finite-difference gradient check in float64.
+// what differs, the comparison of a fused operator with its reference (outputs and gradients),
+// and a central finite-difference gradient check in float64.
 #pragma once
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
 #include <ATen/ops/zeros_like.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -43,6 +47,56 @@ class IntraOpThreads {
 };
 
 using ScalarFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+using OutputsFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// What `compare` ran: each side's outputs and its leaf inputs (with their gradients), for the
+// checks a caller adds.
+struct Compared {
+  std::vector<at::Tensor> fused, reference;                // outputs
+  std::vector<at::Tensor> fused_inputs, reference_inputs;  // leaves
+};
+
+// A fused operator against its reference composition, the check every test_fused*.cpp makes: both
+// run on leaf copies of `inputs` and return their outputs, which must agree (`near`, within rtol);
+// then both are differentiated from the same random cotangents of the outputs (seeded by `seed`;
+// 1 for a scalar output)
+// and the gradient of every input must agree too, except those listed in `unchecked` (inputs an
+// op does not use, which the caller checks itself). `output_names` and `input_names` name them in
+// the messages ("d <input>" for a gradient).
+inline Compared compare(const std::vector<at::Tensor>& inputs, const OutputsFn& fused, const OutputsFn& reference,
+                        double rtol, const std::vector<std::string>& output_names,
+                        const std::vector<std::string>& input_names, uint64_t seed,
+                        const std::vector<size_t>& unchecked = {}) {
+  Compared c;
+  for (const auto& t : inputs) {
+    c.fused_inputs.push_back(t.detach().clone().requires_grad_());
+    c.reference_inputs.push_back(t.detach().clone().requires_grad_());
+  }
+  c.fused = fused(c.fused_inputs);
+  c.reference = reference(c.reference_inputs);
+  EXPECT_EQ(c.fused.size(), c.reference.size());
+  auto g = generator(seed);
+  at::Tensor fused_loss, reference_loss;
+  for (size_t i = 0; i < c.fused.size() && i < c.reference.size(); ++i) {
+    const std::string name = i < output_names.size() ? output_names[i] : cat("output ", i);
+    EXPECT_TRUE(near(c.fused[i], c.reference[i], rtol, name));
+    // The same cotangent for both sides, in the reference output's dtype; a scalar output (a loss)
+    // is differentiated as it is.
+    const auto opt = c.reference[i].options().requires_grad(false);
+    const at::Tensor w = c.reference[i].dim() == 0 ? at::ones({}, opt) : at::randn(c.reference[i].sizes(), g, opt);
+    const at::Tensor lf = (c.fused[i] * w).sum(), lr = (c.reference[i] * w).sum();
+    fused_loss = fused_loss.defined() ? fused_loss + lf : lf;
+    reference_loss = reference_loss.defined() ? reference_loss + lr : lr;
+  }
+  fused_loss.backward();
+  reference_loss.backward();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (std::find(unchecked.begin(), unchecked.end(), i) != unchecked.end()) continue;
+    const std::string name = "d " + (i < input_names.size() ? input_names[i] : cat("input ", i));
+    EXPECT_TRUE(near(c.fused_inputs[i].grad(), c.reference_inputs[i].grad(), rtol, name));
+  }
+  return c;
+}
 
 // The backward of the scalar f at `inputs` (float64) against central differences with step 1e-6.
 inline void gradcheck(const ScalarFn& f, const std::vector<at::Tensor>& inputs) {

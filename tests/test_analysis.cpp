@@ -40,6 +40,56 @@ CostReport cost_of(const std::string& kind, int64_t n_layers, int64_t S, int64_t
 
 }  // namespace
 
+// Parameter counts of the pathways against the papers' tables and equations.
+namespace {
+
+int64_t residual_params(const std::string& config, const std::vector<std::string>& sets) {
+  Config c = Config::parse(read_file(config), config, sets);
+  return Transformer(c.model, c.residual, at::kMeta, 0).count().residual;
+}
+
+int64_t non_vocab(const std::string& config, const std::vector<std::string>& sets) {
+  Config c = Config::parse(read_file(config), config, sets);
+  return Transformer(c.model, c.residual, at::kMeta, 0).count().non_vocab;
+}
+
+}  // namespace
+
+TEST(Accounting, MhcMatchesDarTableA3) {
+  // DAR Table A.3: mHC (m = 4) 100.292M and 308.062M non-vocabulary parameters.
+  const std::string dir = source_dir() + "/configs/paper/";
+  EXPECT_EQ((non_vocab(dir + "dense-0.1b.toml", {"residual.kind=mhc"}) + 500) / 1000, 100'292);
+  EXPECT_EQ((non_vocab(dir + "dense-0.3b.toml", {"residual.kind=mhc"}) + 500) / 1000, 308'062);
+  // Per branch: md(m² + 2m) + m² + 2m + 3.
+  const int64_t m = 4, d = 640, L = 32;
+  EXPECT_EQ(residual_params(dir + "dense-0.1b.toml", {"residual.kind=mhc"}), L * (m * d * (m * m + 2 * m) + m * m + 2 * m + 3));
+  EXPECT_EQ(residual_params(dir + "dense-0.1b.toml", {"residual.kind=mhc", "residual.streams=2"}),
+            L * (2 * d * 8 + 8 + 3));
+}
+
+TEST(Accounting, MsarMatchesEquation20) {
+  // MSAR eq. 20 with m = 4, κ = {4, 8, 12}: L_b(44d + 5), at the 18B and 28B backbones' depth and width.
+  const std::string cfg = source_dir() + "/configs/paper/dense-0.1b.toml";
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.block_sublayers=8", "model.n_layers=28",
+                                  "model.d_model=2112", "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=128"}),
+            5'204'248);
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.block_sublayers=8", "model.n_layers=32",
+                                  "model.d_model=2560", "model.n_heads=20", "model.n_kv_heads=10", "model.head_dim=128"}),
+            7'209'280);
+  // Ablations: no convolution banks; mean fusion has no W_pre, b_pre, α_pre.
+  const int64_t d = 640, L = 32;
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.conv=false"}), L * ((16 + 4) * d + 5));
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.fusion=\"mean\""}), L * ((4 + 24) * d));
+}
+
+TEST(Accounting, SepVAddsOneMapPerSource) {
+  const std::string cfg = source_dir() + "/configs/paper/dense-0.1b.toml";
+  const int64_t d = 640, L = 32;
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=attnres_sepv", "residual.block_sublayers=4"}), L * d + (1 + 8) * d * d);
+  EXPECT_EQ(residual_params(cfg, {"residual.kind=attnres_mhc", "residual.block_sublayers=4"}),
+            L * d + residual_params(cfg, {"residual.kind=mhc"}));
+}
+
 TEST(Accounting, TrafficMatchesMsarTable6) {
   // N = 8 blocks of S = 16 branches (64 layers), m = 4: the Typical column of MSAR Table 6.
   EXPECT_DOUBLE_EQ(cost_of("residual", 64, 16, 4).traffic_d(), 3.0);

@@ -64,6 +64,26 @@ TEST(Config, ResolvedTomlRoundTrips) {
   EXPECT_DOUBLE_EQ(d.optim.eps, 1e-15);
 }
 
+TEST(Config, InvalidPathwayCombinationsNameTheKey) {
+  const std::string base = "[train]\nsteps = 1\n";
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=[4, 0, 12]"}); },
+               {"'residual.kernels'", "got 0"});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3"}); },
+               {"'residual.kernels'", "needs 2"});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.streams=0"}); }, {"'residual.streams'", "got 0"});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=\"4,8\""}); },
+               {"'residual.kernels'", "array of integers"});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=mhc", "residual.sinkhorn_iters=0"}); },
+               {"'residual.sinkhorn_iters'"});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
+               {"'residual.fusion'", "\"hpre\", \"mean\""});
+  expect_error([&] { Config::parse(base, "x.toml", {"residual.impl=\"eager\""}); },
+               {"'residual.impl'", "\"reference\", \"fused\""});
+  Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
+  EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);
+}
+
 TEST(Schedule, WarmupThenCosineToMinimum) {
   OptimConfig o;
   o.lr = 1.0;

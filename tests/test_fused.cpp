@@ -1,16 +1,23 @@
-// The fused depth-retrieval operators against the reference composition (ops/depth_attention.h):
+// The fused depth-retrieval operators against their reference compositions (ops/reference/):
 // forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes
 // including N = 1, P = 1 and odd d; a finite-difference gradient check in float64; bfloat16.
+// And every fused operator's outputs and gradients bit for bit the same on 1, 2 and 3 threads.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "depthkit/ops/cpu/depth_read_cpu.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/mhc_ops.h"
+#include "depthkit/ops/msar_ops.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 #include "helpers.h"
 #include "op_checks.h"
 
@@ -23,56 +30,43 @@ struct Shape {
 };
 const Shape kShapes[] = {{1, 1, 1, 1}, {1, 1, 5, 7}, {3, 4, 1, 9}, {2, 5, 6, 7}, {4, 9, 33, 16}};
 
-// Reference: each target's read composed of ATen ops (autograd gives the backward).
-std::pair<at::Tensor, at::Tensor> reference_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  std::vector<at::Tensor> outs, lses;
-  for (int64_t m = 0; m < q.size(0); ++m) {
-    DepthRead r = depth_read(q[m], k, v);
-    outs.push_back(r.out);
-    lses.push_back(r.log_partition);
-  }
-  return {at::stack(outs), at::stack(lses)};
+// Reference: reference::depth_read, each target's read composed of ATen ops (autograd gives the backward).
+std::tuple<at::Tensor, at::Tensor> reference_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return reference::depth_read(q, k, v, kKeyNormEps);
 }
 
 void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.M * 100 + s.N * 10 + s.P);
+  const uint64_t seed = s.M * 100 + s.N * 10 + s.P;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor q = (at::randn({s.M, s.d}, g, opt) * 1.5).requires_grad_();
-  at::Tensor k = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
-  at::Tensor v = at::randn({s.N, s.P, s.d}, g, opt).requires_grad_();
-  at::Tensor q2 = q.detach().clone().requires_grad_(), k2 = k.detach().clone().requires_grad_(),
-             v2 = v.detach().clone().requires_grad_();
-  auto [out, lse] = fused::depth_read(q, k, v, kKeyNormEps);
-  auto [ref_out, ref_lse] = reference_read(q2, k2, v2);
-  EXPECT_TRUE(near(out, ref_out, rtol, "out"));
-  EXPECT_TRUE(near(lse, ref_lse, rtol, "log-partition"));
-  at::Tensor w_out = at::randn(out.sizes(), g, opt), w_lse = at::randn(lse.sizes(), g, opt);
-  ((out * w_out).sum() + (lse * w_lse).sum()).backward();
-  ((ref_out * w_out).sum() + (ref_lse * w_lse).sum()).backward();
-  EXPECT_TRUE(near(q.grad(), q2.grad(), rtol, "d queries"));
-  EXPECT_TRUE(near(k.grad(), k2.grad(), rtol, "d keys"));
-  EXPECT_TRUE(near(v.grad(), v2.grad(), rtol, "d values"));
+  std::vector<at::Tensor> in = {at::randn({s.M, s.d}, g, opt) * 1.5, at::randn({s.N, s.P, s.d}, g, opt),
+                                at::randn({s.N, s.P, s.d}, g, opt)};
+  auto read = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) {
+      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+      return std::vector<at::Tensor>{out, lse};
+    };
+  };
+  compare(in, read(fused::depth_read), read(reference::depth_read), rtol, {"out", "log-partition"},
+          {"queries", "keys", "values"}, seed);
 }
 
+// Fused: the read then the merge; reference: one softmax over all N + 1 candidates.
 void compare_merge(int64_t N, int64_t P, int64_t d, at::ScalarType dtype, double rtol) {
   auto g = generator(P * 10 + d);
   const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor q = (at::randn({d}, g, opt) * 1.5).requires_grad_();
-  at::Tensor k = at::randn({N, P, d}, g, opt).requires_grad_(), v = at::randn({N, P, d}, g, opt).requires_grad_();
-  at::Tensor kp = at::randn({P, d}, g, opt).requires_grad_(), vp = at::randn({P, d}, g, opt).requires_grad_();
-  std::vector<at::Tensor> leaves = {q, k, v, kp, vp}, copies;
-  for (auto& t : leaves) copies.push_back(t.detach().clone().requires_grad_());
-  // Fused: the read then the merge; reference: one softmax over all N + 1 candidates.
-  auto [out, lse] = fused::depth_read(q.unsqueeze(0), k, v, kKeyNormEps);
-  at::Tensor h = fused::depth_merge(out[0], lse[0], q, kp, vp, kKeyNormEps);
-  at::Tensor ref = depth_read(copies[0], at::cat({copies[1], copies[3].unsqueeze(0)}),
-                              at::cat({copies[2], copies[4].unsqueeze(0)})).out;
-  EXPECT_TRUE(near(h, ref, rtol, "merged"));
-  at::Tensor w = at::randn(h.sizes(), g, opt);
-  (h * w).sum().backward();
-  (ref * w).sum().backward();
-  const char* names[] = {"d query", "d keys", "d values", "d key_part", "d value_part"};
-  for (size_t i = 0; i < leaves.size(); ++i) EXPECT_TRUE(near(leaves[i].grad(), copies[i].grad(), rtol, names[i]));
+  std::vector<at::Tensor> in = {at::randn({d}, g, opt) * 1.5, at::randn({N, P, d}, g, opt),
+                                at::randn({N, P, d}, g, opt), at::randn({P, d}, g, opt), at::randn({P, d}, g, opt)};
+  auto fused_merge = [](const std::vector<at::Tensor>& t) {
+    auto [out, lse] = fused::depth_read(t[0].unsqueeze(0), t[1], t[2], kKeyNormEps);
+    return std::vector<at::Tensor>{fused::depth_merge(out[0], lse[0], t[0], t[3], t[4], kKeyNormEps)};
+  };
+  auto one_softmax = [](const std::vector<at::Tensor>& t) {
+    return std::vector<at::Tensor>{
+        depth_read(t[0], at::cat({t[1], t[3].unsqueeze(0)}), at::cat({t[2], t[4].unsqueeze(0)})).out};
+  };
+  compare(in, fused_merge, one_softmax, rtol, {"merged"}, {"query", "keys", "values", "key_part", "value_part"},
+          P * 10 + d + 1);
 }
 
 }  // namespace
@@ -174,6 +168,116 @@ TEST(FusedDepthRead, BadShapesAreClearErrors) {
   at::Tensor q = at::zeros({2, 4}), k = at::zeros({3, 5, 4});
   expect_error([&] { fused::depth_read(q, k, at::zeros({3, 5, 3}), kKeyNormEps); }, {"depth_read", "differ"});
   expect_error([&] { fused::depth_read(at::zeros({2, 3}), k, k, kKeyNormEps); }, {"depth_read", "d = 3"});
+}
+
+// ---- Thread count ----------------------------------------------------------------------------
+
+namespace {
+
+using Op = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+// The outputs of `op` on leaf copies of `inputs` and, from fixed random cotangents of them, the
+// gradient of every input, with `threads` intra-op threads.
+std::vector<at::Tensor> outputs_and_gradients(const Op& op, const std::vector<at::Tensor>& inputs, int threads) {
+  IntraOpThreads scope(threads);
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.detach().clone().requires_grad_());
+  std::vector<at::Tensor> outs = op(leaves), cotangents;
+  auto g = generator(99);
+  for (const auto& o : outs) cotangents.push_back(at::randn(o.sizes(), g, o.options()));
+  torch::autograd::backward(outs, cotangents);
+  std::vector<at::Tensor> result;
+  for (const auto& o : outs) result.push_back(o.detach());
+  for (const auto& l : leaves) result.push_back(l.grad());
+  return result;
+}
+
+// Runs `op` on 1, 2 and 3 threads: outputs and gradients must be equal bit for bit. (Token-summed
+// gradients are added per fixed block of tokens, never per thread: kernel_math.h, causal_window.h.)
+void expect_thread_independent(const char* name, const Op& op, const std::vector<at::Tensor>& inputs) {
+  SCOPED_TRACE(name);
+  const std::vector<at::Tensor> one = outputs_and_gradients(op, inputs, 1);
+  for (int threads : {2, 3}) {
+    const std::vector<at::Tensor> many = outputs_and_gradients(op, inputs, threads);
+    ASSERT_EQ(one.size(), many.size());
+    for (size_t i = 0; i < one.size(); ++i) {
+      ASSERT_TRUE(one[i].defined() && many[i].defined()) << "tensor " << i;
+      EXPECT_TRUE(at::equal(one[i], many[i])) << "tensor " << i << " (outputs first, then the inputs' gradients) differs "
+                                              << "between 1 and " << threads << " threads: max |diff| "
+                                              << (one[i] - many[i]).abs().max().item<double>();
+    }
+  }
+}
+
+}  // namespace
+
+// Every fused operator gives the same outputs and gradients, bit for bit, on 1, 2 and 3 threads
+// (so a run's numbers do not depend on train.threads). The shapes are large enough that every
+// kernel splits its tokens across the threads (≥ 2 blocks of summed tokens; MSAR: ≥ 2 groups of tiles).
+TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
+  auto g = generator(31);
+  const int64_t N = 4, B = 3, T = 200, P = B * T, d = 40, m = 4, K = 5;
+  auto randn = [&](at::IntArrayRef shape, double scale = 1.0) { return at::randn(shape, g) * scale; };
+  expect_thread_independent(
+      "depth_read",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [out, lse] = fused::depth_read(t[0], t[1], t[2], kKeyNormEps);
+        return std::vector<at::Tensor>{out, lse};
+      },
+      {randn({2, d}), randn({N, P, d}), randn({N, P, d})});
+  expect_thread_independent(
+      "depth_merge",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::depth_merge(t[0], t[1], t[2], t[3], t[4], kKeyNormEps)};
+      },
+      {randn({P, d}), randn({P}), randn({d}), randn({P, d}), randn({P, d})});
+  expect_thread_independent(
+      "dar_read",
+      [&](const std::vector<at::Tensor>& t) {
+        fused::DarRead r =
+            fused::dar_read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
+        return std::vector<at::Tensor>{r.h, r.beta};
+      },
+      {randn({2, d}), randn({N, P, d}), randn({N, P, d}), randn({P, d}), randn({P, d}), randn({2, 2 * d}, 0.1),
+       randn({2}), randn({2, 2 * d}, 0.1), randn({2})});
+  expect_thread_independent(
+      "dar_write",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [p0, p1] = fused::dar_write(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
+        return std::vector<at::Tensor>{p0, p1};
+      },
+      {randn({P, d}), at::rand({P, 2}, g) * 2, randn({P, d}), randn({P, d}), randn({1, 2 * d}, 0.1), randn({1})});
+  expect_thread_independent(
+      "msar_read",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [out, lse] = fused::msar_read(t[0], t[1], t[2], kKeyNormEps);
+        return std::vector<at::Tensor>{out, lse};
+      },
+      {randn({m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)});
+  expect_thread_independent(
+      "msar_fuse",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::msar_fuse(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps)};
+      },
+      {randn({m, B, T, d}), randn({m, B, T}), randn({m, d}), randn({B, T, d}), randn({m - 1, d, K}, 0.5),
+       randn({m, m * d}, 0.05), randn({m}), randn({1})});
+  expect_thread_independent(
+      "mhc_pre",
+      [&](const std::vector<at::Tensor>& t) {
+        auto [h, post, res] = fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps);
+        return std::vector<at::Tensor>{h, post, res};
+      },
+      {randn({P, m, d}), randn({m * m + 2 * m, m * d}, 0.05), randn({m * m + 2 * m}), randn({3}, 0.5)});
+  expect_thread_independent(
+      "mhc_sinkhorn",
+      [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{fused::mhc_sinkhorn(t[0], 20)}; },
+      {randn({P, m, m})});
+  expect_thread_independent(
+      "mhc_merge",
+      [&](const std::vector<at::Tensor>& t) {
+        return std::vector<at::Tensor>{fused::mhc_merge(t[0], t[1], t[2], t[3])};
+      },
+      {randn({P, m, d}), randn({P, d}), randn({P, m}), randn({P, m, m})});
 }
 
 }  // namespace depthkit::test

@@ -1,5 +1,5 @@
 // DAR's fused read and write operators (ops/dar_ops.h) against the reference compositions of
-// ATen ops with the same signatures (ops/dar_reference.cpp, autograd for the backward): forward and
+// ATen ops with the same signatures (ops/reference/dar.cpp, autograd for the backward): forward and
 // every gradient in float64 (1e-10) and float32 (1e-5), every routing, with and without the
 // partial; a finite-difference gradient check in float64. The whole pathway is compared with the
 // equations in test_pathways.cpp (Dar.EqualsTheEquations runs both implementations).
@@ -7,7 +7,8 @@
 #include <ATen/ops/randn.h>
 
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "helpers.h"
 #include "op_checks.h"
 
@@ -55,18 +56,9 @@ std::pair<at::Tensor, at::Tensor> reference_read(const std::vector<at::Tensor>& 
 
 using Fn = ScalarFn;
 
-// Runs `fused` and `reference` (scalar losses of the same inputs) and compares value and gradients.
-void compare(const std::vector<at::Tensor>& inputs, const Fn& fused_loss, const Fn& reference_loss, double rtol) {
-  std::vector<at::Tensor> a, b;
-  for (const auto& x : inputs) {
-    a.push_back(x.detach().clone().requires_grad_());
-    b.push_back(x.detach().clone().requires_grad_());
-  }
-  at::Tensor la = fused_loss(a), lb = reference_loss(b);
-  EXPECT_TRUE(near(la, lb, rtol, "loss"));
-  la.backward();
-  lb.backward();
-  for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, cat("d input ", i)));
+// A scalar loss as the outputs that `compare` (op_checks.h) takes.
+OutputsFn outputs(const Fn& loss) {
+  return [loss](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{loss(t)}; };
 }
 
 // A loss that weighs every output element differently, so every gradient path is exercised.
@@ -93,7 +85,7 @@ void compare_read(int64_t N, int64_t P, int64_t d, bool partial, at::ScalarType 
         return weighted(h, 1) + weighted(beta, 2);
       };
     };
-    compare(in.t, loss(fused_read), loss(reference_read), rtol);
+    compare(in.t, outputs(loss(fused_read)), outputs(loss(reference_read)), rtol, {"loss"}, {}, 1);
   }
 }
 
@@ -135,8 +127,10 @@ TEST(FusedDar, WriteEqualsReference) {
   for (auto [P, d] : {std::tuple{1, 1}, std::tuple{5, 7}, std::tuple{33, 16}})
     for (bool transport : {false, true}) {
       SCOPED_TRACE(cat("P ", P, " d ", d, " transport ", transport));
-      compare(random_write(P, d, transport, at::kDouble, P + d), fused_write_loss, reference_write_loss, 1e-10);
-      compare(random_write(P, d, transport, at::kFloat, P + d), fused_write_loss, reference_write_loss, 1e-5);
+      compare(random_write(P, d, transport, at::kDouble, P + d), outputs(fused_write_loss),
+              outputs(reference_write_loss), 1e-10, {"loss"}, {}, 1);
+      compare(random_write(P, d, transport, at::kFloat, P + d), outputs(fused_write_loss),
+              outputs(reference_write_loss), 1e-5, {"loss"}, {}, 1);
     }
 }
 
@@ -147,8 +141,10 @@ TEST(FusedDar, SplitAcrossThreadsEqualsReference) {
     compare_read(3, 200, 24, partial, at::kFloat, 1e-5);
   }
   for (bool transport : {false, true}) {
-    compare(random_write(200, 24, transport, at::kDouble, 5), fused_write_loss, reference_write_loss, 1e-10);
-    compare(random_write(200, 24, transport, at::kFloat, 5), fused_write_loss, reference_write_loss, 1e-5);
+    compare(random_write(200, 24, transport, at::kDouble, 5), outputs(fused_write_loss),
+            outputs(reference_write_loss), 1e-10, {"loss"}, {}, 1);
+    compare(random_write(200, 24, transport, at::kFloat, 5), outputs(fused_write_loss),
+            outputs(reference_write_loss), 1e-5, {"loss"}, {}, 1);
   }
 }
 

@@ -1,8 +1,8 @@
-// The fused mHC operators (ops/mhc_ops.h) against the reference composition (pathways/mhc.h):
+// The fused mHC operators (ops/mhc_ops.h) against their reference compositions (ops/reference/):
 // forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes with
 // m = 1, 2, 4, odd d, B·T = 1 and larger, with random parameters that make H_res far from uniform;
 // a finite-difference gradient check in float64 for each op; bfloat16; the Mhc pathway with
-// impl = fused against impl = reference. FusedMhc.DISABLED_Speed times them (run it by name).
+// impl = fused against impl = reference. Their timing: `depthkit bench --ops` (train/op_bench.cpp).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/amax.h>
@@ -17,13 +17,13 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <functional>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/mhc_ops.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/mhc.h"
 #include "helpers.h"
 #include "op_checks.h"
@@ -38,12 +38,6 @@ struct Shape {
 const Shape kShapes[] = {{1, 1, 1, 1}, {1, 2, 3, 7}, {2, 1, 1, 5}, {2, 3, 5, 9}, {3, 2, 9, 5},
                          {4, 1, 1, 7}, {4, 2, 7, 13}, {4, 3, 11, 33}};
 
-std::vector<at::Tensor> leaf_copies(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.detach().clone().requires_grad_());
-  return out;
-}
-
 // Random pre-mix inputs: φ with unit-variance projections, α = (pre, post, res) large enough that
 // the logits spread over several units (H_res far from uniform), random bias.
 std::vector<at::Tensor> pre_inputs(const Shape& s, at::ScalarType dtype, at::Generator& g) {
@@ -57,57 +51,49 @@ std::vector<at::Tensor> pre_inputs(const Shape& s, at::ScalarType dtype, at::Gen
 }
 
 void compare_pre(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d);
-  auto in = pre_inputs(s, dtype, g), ref_in = leaf_copies(in);
-  auto [h, post, res] = fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps);
-  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
-  EXPECT_TRUE(near(h, ref_h, rtol, "h"));
-  EXPECT_TRUE(near(post, ref_post, rtol, "H_post"));
-  EXPECT_TRUE(near(res, ref_res, rtol, "H_res logits"));
+  const uint64_t seed = s.m * 1000 + s.B * 100 + s.T * 10 + s.d;
+  auto g = generator(seed);
+  auto pre = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) {
+      auto [h, post, res] = op(t[0], t[1], t[2], t[3], kKeyNormEps);
+      return std::vector<at::Tensor>{h, post, res};
+    };
+  };
+  Compared c = compare(pre_inputs(s, dtype, g), pre(fused::mhc_pre), pre(reference::mhc_pre), rtol,
+                       {"h", "H_post", "H_res logits"}, {"x", "phi", "bias", "scale"}, seed + 3);
   if (s.m > 1) {
+    const at::Tensor& ref_res = c.reference[2];
     EXPECT_GT((ref_res.amax({-2, -1}) - ref_res.amin({-2, -1})).min().item<double>(), 1.0)
         << "the H_res logits must spread (non-trivial parameters)";
   }
-  const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor wh = at::randn(h.sizes(), g, opt), wp = at::randn(post.sizes(), g, opt), wr = at::randn(res.sizes(), g, opt);
-  ((h * wh).sum() + (post * wp).sum() + (res * wr).sum()).backward();
-  ((ref_h * wh).sum() + (ref_post * wp).sum() + (ref_res * wr).sum()).backward();
-  const char* names[] = {"d x", "d phi", "d bias", "d scale"};
-  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(in[i].grad(), ref_in[i].grad(), rtol, names[i]));
 }
 
 void compare_sinkhorn(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 1);
+  const uint64_t seed = s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 1;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
-  at::Tensor l = (at::randn({s.B, s.T, s.m, s.m}, g, opt) * 2.5).requires_grad_();
-  at::Tensor l2 = l.detach().clone().requires_grad_();
-  at::Tensor H = fused::mhc_sinkhorn(l, 20), ref = mhc_sinkhorn_reference(l2, 20);
-  EXPECT_TRUE(near(H, ref, rtol, "H_res"));
+  auto sinkhorn = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{op(t[0], 20)}; };
+  };
+  Compared c = compare({at::randn({s.B, s.T, s.m, s.m}, g, opt) * 2.5}, sinkhorn(fused::mhc_sinkhorn),
+                       sinkhorn(reference::mhc_sinkhorn), rtol, {"H_res"}, {"logits"}, seed + 3);
   if (s.m > 1) {  // far from uniform: on average the entries of a token's H_res spread over more than 0.3
+    const at::Tensor& ref = c.reference[0];
     EXPECT_GT((ref.amax({-2, -1}) - ref.amin({-2, -1})).mean().item<double>(), 0.3) << "H_res near uniform";
   }
-  at::Tensor w = at::randn(H.sizes(), g, opt);
-  (H * w).sum().backward();
-  (ref * w).sum().backward();
-  EXPECT_TRUE(near(l.grad(), l2.grad(), rtol, "d logits"));
 }
 
 void compare_merge(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 2);
+  const uint64_t seed = s.m * 1000 + s.B * 100 + s.T * 10 + s.d + 2;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
-  std::vector<at::Tensor> in = {at::randn({s.B, s.T, s.m, s.d}, g, opt).requires_grad_(),
-                                at::randn({s.B, s.T, s.d}, g, opt).requires_grad_(),
-                                (at::randn({s.B, s.T, s.m}, g, opt) + 1).requires_grad_(),
-                                at::randn({s.B, s.T, s.m, s.m}, g, opt).requires_grad_()};
-  auto ref_in = leaf_copies(in);
-  at::Tensor out = fused::mhc_merge(in[0], in[1], in[2], in[3]);
-  at::Tensor ref = mhc_merge_reference(ref_in[0], ref_in[1], ref_in[2], ref_in[3]);
-  EXPECT_TRUE(near(out, ref, rtol, "x'"));
-  at::Tensor w = at::randn(out.sizes(), g, opt);
-  (out * w).sum().backward();
-  (ref * w).sum().backward();
-  const char* names[] = {"d x", "d f", "d H_post", "d H_res"};
-  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(in[i].grad(), ref_in[i].grad(), rtol, names[i]));
+  std::vector<at::Tensor> in = {at::randn({s.B, s.T, s.m, s.d}, g, opt), at::randn({s.B, s.T, s.d}, g, opt),
+                                at::randn({s.B, s.T, s.m}, g, opt) + 1, at::randn({s.B, s.T, s.m, s.m}, g, opt)};
+  auto merge = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{op(t[0], t[1], t[2], t[3])}; };
+  };
+  compare(in, merge(fused::mhc_merge), merge(reference::mhc_merge), rtol, {"x'"}, {"x", "f", "H_post", "H_res"},
+          seed + 3);
 }
 
 }  // namespace
@@ -187,19 +173,19 @@ TEST(FusedMhc, BFloat16WithinItsPrecision) {
     f32.push_back(bf.back().to(at::kFloat));
   }
   auto [h, post, res] = fused::mhc_pre(bf[0], bf[1], bf[2], bf[3], kKeyNormEps);
-  auto [ref_h, ref_post, ref_res] = mhc_pre_reference(f32[0], f32[1], f32[2], f32[3]);
+  auto [ref_h, ref_post, ref_res] = reference::mhc_pre(f32[0], f32[1], f32[2], f32[3], kKeyNormEps);
   EXPECT_EQ(h.scalar_type(), at::kBFloat16);
   EXPECT_EQ(res.scalar_type(), at::kFloat);
   EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));        // one bf16 rounding of the output: 2^-8
   EXPECT_TRUE(near(post, ref_post, 1e-4, "bf16 H_post (float32)"));
   EXPECT_TRUE(near(res, ref_res, 1e-4, "bf16 H_res logits (float32)"));
   at::Tensor H = fused::mhc_sinkhorn(res, 20);
-  at::Tensor ref_H = mhc_sinkhorn_reference(ref_res, 20);
+  at::Tensor ref_H = reference::mhc_sinkhorn(ref_res, 20);
   EXPECT_TRUE(near(H, ref_H, 1e-4, "bf16 H_res (float32)"));
   at::Tensor f = at::randn({s.B, s.T, s.d}, g).to(at::kBFloat16);
   at::Tensor out = fused::mhc_merge(bf[0], f, post, H);
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(near(out, mhc_merge_reference(f32[0], f.to(at::kFloat), ref_post, ref_H), 2e-2, "bf16 x'"));
+  EXPECT_TRUE(near(out, reference::mhc_merge(f32[0], f.to(at::kFloat), ref_post, ref_H), 2e-2, "bf16 x'"));
 }
 
 TEST(FusedMhc, BadShapesAreClearErrors) {
@@ -277,76 +263,6 @@ TEST(FusedMhc, ConfigAcceptsFusedForMhcKinds) {
   const std::string base = small_config("unused").to_toml();
   for (const char* kind : {"residual.kind=mhc", "residual.kind=attnres_mhc"})
     EXPECT_EQ(Config::parse(base, "x.toml", {kind, "residual.impl=fused"}).residual.impl, "fused") << kind;
-}
-
-// Forward + backward of each fused op against its reference composition, float32, at the tiny
-// config's shapes (m = 4, d = 128, B·T = 4096, 20 Sinkhorn rounds) and at d = 640. Medians of
-// repeats, both in this process. Run: build/depthkit_tests --gtest_also_run_disabled_tests
-//   --gtest_filter='FusedMhc.DISABLED_Speed'
-TEST(FusedMhc, DISABLED_Speed) {
-  auto median_ms = [](const std::function<void()>& fn) {
-    fn();  // warm-up
-    std::vector<double> t;
-    for (int r = 0; r < 9; ++r) {
-      auto t0 = std::chrono::steady_clock::now();
-      fn();
-      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
-  for (int64_t d : {128, 640}) {
-    const Shape s{4, 1, 4096, d};
-    auto g = generator(50);
-    auto in = pre_inputs(s, at::kFloat, g);
-    at::Tensor l = (at::randn({s.B, s.T, 4, 4}, g) * 2.5).requires_grad_();
-    at::Tensor f = at::randn({s.B, s.T, d}, g).requires_grad_();
-    at::Tensor post = (at::randn({s.B, s.T, 4}, g) + 1).requires_grad_(), H = at::randn({s.B, s.T, 4, 4}, g).requires_grad_();
-    // Backward from a weighted sum (a contiguous output gradient, as in training); the leaves' .grad
-    // are reset first so that accumulation into them is not timed.
-    std::vector<at::Tensor> leaves = {in[0], in[1], in[2], in[3], l, f, post, H};
-    auto finish = [&](const std::vector<at::Tensor>& outs) {
-      if (!at::GradMode::is_enabled()) return;  // forward only under NoGradGuard
-      for (auto& t : leaves) t.mutable_grad().reset();
-      std::vector<at::Tensor> grads;
-      for (const auto& o : outs) grads.push_back(at::ones_like(o));
-      torch::autograd::backward(outs, grads);
-    };
-    auto pre_of = [&](bool fz) {
-      return [&, fz] {
-        auto [h, p, r] = fz ? fused::mhc_pre(in[0], in[1], in[2], in[3], kKeyNormEps)
-                            : mhc_pre_reference(in[0], in[1], in[2], in[3]);
-        finish({h, p, r});
-      };
-    };
-    auto sink_of = [&](bool fz) {
-      return [&, fz] { finish({fz ? fused::mhc_sinkhorn(l, 20) : mhc_sinkhorn_reference(l, 20)}); };
-    };
-    auto merge_of = [&](bool fz) {
-      return [&, fz] {
-        finish({fz ? fused::mhc_merge(in[0], f, post, H) : mhc_merge_reference(in[0], f, post, H)});
-      };
-    };
-    struct Row {
-      const char* name;
-      std::function<std::function<void()>(bool)> make;
-    };
-    // A plain copy of the streams in the same run: the memory-speed yardstick.
-    const double copy_ms = median_ms([&] { at::Tensor c = in[0].detach().clone(); });
-    std::printf("copy of x [4096, 4, %ld] float32: %.3f ms\n", long(d), copy_ms);
-    for (const Row& row : {Row{"pre-mix", pre_of}, Row{"sinkhorn", sink_of}, Row{"merge", merge_of}}) {
-      const double ref_ms = median_ms(row.make(false)), fused_ms = median_ms(row.make(true));
-      double ref_fwd, fused_fwd;
-      {
-        at::NoGradGuard no_grad;  // forward only
-        ref_fwd = median_ms(row.make(false));
-        fused_fwd = median_ms(row.make(true));
-      }
-      std::printf("mhc %-9s m 4 d %4ld tokens %ld: fwd+bwd reference %8.3f ms, fused %8.3f ms, speedup %5.1fx | "
-                  "fwd reference %8.3f ms, fused %8.3f ms (medians of 9)\n",
-                  row.name, long(d), long(s.B * s.T), ref_ms, fused_ms, ref_ms / fused_ms, ref_fwd, fused_fwd);
-    }
-  }
 }
 
 }  // namespace depthkit::test

@@ -1,10 +1,10 @@
-// The fused MSAR operators (ops/msar_ops.h) against a reference composition of ATen ops
-// (expansion by conv1d, key_norm, depth_read, merge_partial, H_pre fusion; autograd gives the
-// backward): forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative,
+// The fused MSAR operators (ops/msar_ops.h) against their reference compositions of ATen ops
+// (reference::msar_read, reference::msar_fuse: expansion by conv1d, key_norm, depth_read,
+// merge_partial, H_pre fusion; autograd gives the backward): forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative,
 // on shapes with N = 1, T = 1, T below the largest kernel, odd d, B > 1 (the convolution must not
 // leak across batch rows); a finite-difference gradient check in float64; bfloat16; memory that
 // does not grow with m·N·T·d (a counting CPU allocator); the Msar pathway with impl = fused equal
-// to impl = reference; and a disabled timing test (run with --gtest_also_run_disabled_tests).
+// to impl = reference. (Their timing: `depthkit bench --ops`, train/op_bench.cpp.)
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -23,15 +23,15 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <map>
 #include <optional>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/msar_ops.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/pathway.h"
 #include "depthkit/util/memory.h"
 #include "helpers.h"
@@ -41,49 +41,13 @@ namespace depthkit::test {
 
 namespace {
 
-// ---- Reference composition -------------------------------------------------------------------
-
-// Stream r of x [B, T, d] under taps c [d, K] (c[:, δ] weighs x_{t−δ}, eq. 10), by grouped conv1d.
-at::Tensor conv_stream(const at::Tensor& x, const at::Tensor& c) {
-  const int64_t T = x.size(1), d = x.size(2), K = c.size(1);
-  at::Tensor padded = at::constant_pad_nd(x.transpose(1, 2), {K - 1, 0});
-  at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
-                            at::IntArrayRef{1}, d);
-  return y.transpose(1, 2).narrow(1, 0, T);
+// The reference compositions: reference::msar_read and reference::msar_fuse (ops/reference/).
+auto read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
+  return reference::msar_read(q, x, conv, kKeyNormEps);
 }
-
-// The m streams [m, B, T, d] of x under a bank [m − 1, d, K].
-at::Tensor expand_ref(const at::Tensor& x, const at::Tensor& bank) {
-  std::vector<at::Tensor> out = {x};
-  for (int64_t r = 1; r <= bank.size(0); ++r) out.push_back(conv_stream(x, bank[r - 1]));
-  return at::stack(out);
-}
-
-// Phase 1: per stream, depth_read over the expanded sources. → out [m, B, T, d], ζ [m, B, T].
-std::pair<at::Tensor, at::Tensor> read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
-  std::vector<at::Tensor> expanded;
-  for (int64_t n = 0; n < x.size(0); ++n) expanded.push_back(expand_ref(x[n], conv[n]));
-  at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
-  std::vector<at::Tensor> outs, lses;
-  for (int64_t r = 0; r < q.size(0); ++r) {
-    DepthRead d = depth_read(q[r], E[r], E[r]);
-    outs.push_back(d.out);
-    lses.push_back(d.log_partition);
-  }
-  return {at::stack(outs), at::stack(lses)};
-}
-
-// Phase 2 and fusion: merge_partial per stream, then H_pre (eq. 13–14) or the mean.
 at::Tensor fuse_ref(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& partial,
                     const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
-  at::Tensor part = partial.defined() ? expand_ref(partial, pconv) : at::Tensor();
-  std::vector<at::Tensor> z;
-  for (int64_t r = 0; r < q.size(0); ++r)
-    z.push_back(partial.defined() ? merge_partial(DepthRead{out[r], lse[r]}, q[r], part[r], part[r]) : out[r]);
-  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
-  if (!w.defined()) return Z.mean(-2);
-  at::Tensor pre = at::sigmoid(alpha * at::linear(key_norm(Z.flatten(-2)), w) + b);
-  return (pre.unsqueeze(-1) * Z).sum(-2);
+  return reference::msar_fuse(out, lse, q, partial, pconv, w, b, alpha, kKeyNormEps);
 }
 
 // ---- Cases -----------------------------------------------------------------------------------
@@ -97,60 +61,54 @@ const Shape kShapes[] = {{1, 1, 1, 1, 1, 1}, {4, 1, 1, 1, 5, 3},  {4, 2, 3, 3, 7
 
 std::string describe(const Shape& s) { return cat("m ", s.m, " N ", s.N, " B ", s.B, " T ", s.T, " d ", s.d, " K ", s.K); }
 
-at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(); }
-
 void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.m * 1000 + s.N * 100 + s.T * 10 + s.d);
+  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
                                 at::randn({s.N, s.m - 1, s.d, s.K}, g, opt) * 0.5};
   // A shorter kernel: zero-padded taps (skipped by the kernel where exact; their gradient is not zero).
   if (s.m > 1 && s.K > 2) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
-  std::vector<at::Tensor> a, b;
-  for (auto& t : in) a.push_back(leaf(t)), b.push_back(leaf(t));
-  auto [out, lse] = fused::msar_read(a[0], a[1], a[2], kKeyNormEps);
-  auto [ref_out, ref_lse] = read_ref(b[0], b[1], b[2]);
-  EXPECT_TRUE(near(out, ref_out, rtol, "out"));
-  EXPECT_TRUE(near(lse, ref_lse, rtol, "log-partition"));
-  at::Tensor w_out = at::randn(out.sizes(), g, opt), w_lse = at::randn(lse.sizes(), g, opt);
-  ((out * w_out).sum() + (lse * w_lse).sum()).backward();
-  ((ref_out * w_out).sum() + (ref_lse * w_lse).sum()).backward();
-  const char* names[] = {"d queries", "d sources", "d conv"};
-  for (size_t i = 0; i < in.size(); ++i) EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, names[i]));
+  auto read = [](auto op) {
+    return [op](const std::vector<at::Tensor>& t) {
+      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+      return std::vector<at::Tensor>{out, lse};
+    };
+  };
+  compare(in, read(fused::msar_read), read(reference::msar_read), rtol, {"out", "log-partition"},
+          {"queries", "sources", "conv"}, seed + 5);
 }
 
 void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType dtype, double rtol) {
-  auto g = generator(s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre);
+  const uint64_t seed = s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre;
+  auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.B, s.T, s.d}, g, opt), at::randn({s.m, s.B, s.T}, g, opt),
                                 at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.B, s.T, s.d}, g, opt),
                                 at::randn({s.m - 1, s.d, s.K}, g, opt) * 0.5, at::randn({s.m, s.m * s.d}, g, opt),
                                 at::randn({s.m}, g, opt), at::randn({1}, g, opt) + 1.0};
   if (s.m > 1 && s.K > 2) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
-  std::vector<at::Tensor> a, b;
-  for (auto& t : in) a.push_back(leaf(t)), b.push_back(leaf(t));
-  auto opt_of = [](const at::Tensor& t, bool on) { return on ? std::optional<at::Tensor>(t) : std::nullopt; };
-  at::Tensor h = fused::msar_fuse(a[0], a[1], a[2], opt_of(a[3], with_partial), opt_of(a[4], with_partial),
-                                  opt_of(a[5], hpre), opt_of(a[6], hpre), opt_of(a[7], hpre), kKeyNormEps);
-  const at::Tensor none;
-  at::Tensor ref = fuse_ref(b[0], b[1], b[2], with_partial ? b[3] : none, with_partial ? b[4] : none,
-                            hpre ? b[5] : none, hpre ? b[6] : none, hpre ? b[7] : none);
-  EXPECT_TRUE(near(h, ref, rtol, "h"));
-  at::Tensor w = at::randn(h.sizes(), g, opt);
-  (h * w).sum().backward();
-  (ref * w).sum().backward();
-  const char* names[] = {"d out", "d log-partition", "d queries", "d partial", "d partial conv", "d W_pre",
-                         "d b_pre", "d alpha_pre"};
-  for (size_t i = 0; i < in.size(); ++i) {
-    if (!with_partial && (i == 3 || i == 4)) continue;
-    if (!hpre && i >= 5) continue;
-    // Without a partial, ζ and the queries get no gradient from this op: the fused op returns zeros.
-    if (!with_partial && (i == 1 || i == 2)) {
-      EXPECT_TRUE(!a[i].grad().defined() || a[i].grad().abs().max().item<double>() == 0.0);
-      continue;
+  auto fuse = [with_partial, hpre](auto op) {
+    return [=](const std::vector<at::Tensor>& t) {
+      auto given = [](const at::Tensor& x, bool on) { return on ? x : at::Tensor(); };
+      return std::vector<at::Tensor>{op(t[0], t[1], t[2], given(t[3], with_partial), given(t[4], with_partial),
+                                        given(t[5], hpre), given(t[6], hpre), given(t[7], hpre), kKeyNormEps)};
+    };
+  };
+  // Absent inputs have no gradient; without a partial, ζ and the queries get none from this op
+  // either (the reference does not use them), which is checked below.
+  std::vector<size_t> unchecked;
+  if (!with_partial) unchecked = {1, 2, 3, 4};
+  if (!hpre) unchecked.insert(unchecked.end(), {5, 6, 7});
+  Compared c = compare(in, fuse(fused::msar_fuse), fuse(reference::msar_fuse), rtol, {"h"},
+                       {"out", "log-partition", "queries", "partial", "partial conv", "W_pre", "b_pre", "alpha_pre"},
+                       seed + 5, unchecked);
+  // Without a partial, ζ and the queries get no gradient from this op: the fused op returns zeros.
+  for (size_t i : {1, 2})
+    if (!with_partial) {
+      const at::Tensor& grad = c.fused_inputs[i].grad();
+      EXPECT_TRUE(!grad.defined() || grad.abs().max().item<double>() == 0.0);
     }
-    EXPECT_TRUE(near(a[i].grad(), b[i].grad(), rtol, names[i]));
-  }
 }
 
 }  // namespace
@@ -196,7 +154,7 @@ TEST(FusedMsar, ReadThenFuseEqualsOneSoftmaxOverAllCandidates) {
   at::Tensor q = at::randn({s.m, s.d}, g, opt), x = at::randn({s.N + 1, s.B, s.T, s.d}, g, opt);
   at::Tensor conv = at::randn({s.N + 1, s.m - 1, s.d, s.K}, g, opt);
   auto [out, lse] = fused::msar_read(q, x.narrow(0, 0, s.N), conv.narrow(0, 0, s.N), kKeyNormEps);
-  at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], std::nullopt, std::nullopt, std::nullopt, kKeyNormEps);
+  at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], at::Tensor(), at::Tensor(), at::Tensor(), kKeyNormEps);
   auto [all, all_lse] = read_ref(q, x, conv);
   EXPECT_TRUE(near(h, all.mean(0), 1e-10, "merged read vs one softmax"));
 }
@@ -230,7 +188,7 @@ TEST(FusedMsar, BFloat16WithinItsPrecision) {
   EXPECT_EQ(lse.scalar_type(), at::kFloat);
   EXPECT_TRUE(near(out, ref_out, 1e-2, "bf16 out"));  // one bf16 rounding of the output: 2^-8
   EXPECT_TRUE(near(lse, ref_lse, 1e-5, "bf16 log-partition (float32)"));
-  at::Tensor h = fused::msar_fuse(out, lse, bf(q), bf(x[0]), bf(c[0]), std::nullopt, std::nullopt, std::nullopt,
+  at::Tensor h = fused::msar_fuse(out, lse, bf(q), bf(x[0]), bf(c[0]), at::Tensor(), at::Tensor(), at::Tensor(),
                                   kKeyNormEps);
   at::Tensor ref_h = fuse_ref(out.to(at::kFloat), lse, back(q), back(x[0]), back(c[0]), {}, {}, {});
   EXPECT_TRUE(near(h, ref_h, 1e-2, "bf16 h"));
@@ -242,7 +200,7 @@ TEST(FusedMsar, BadShapesAreClearErrors) {
   expect_error([&] { fused::msar_read(at::zeros({3, 5}), x, at::zeros({2, 2, 5, 3}), kKeyNormEps); },
                {"msar_read", "d = 5"});
   at::Tensor out = at::zeros({3, 1, 5, 4}), lse = at::zeros({3, 1, 5});
-  expect_error([&] { fused::msar_fuse(out, lse, q, x[0], std::nullopt, std::nullopt, std::nullopt, std::nullopt, 1e-6); },
+  expect_error([&] { fused::msar_fuse(out, lse, q, x[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), 1e-6); },
                {"msar_fuse", "together"});
 }
 
@@ -381,96 +339,6 @@ TEST(FusedMsar, PathwayEqualsReference) {
           EXPECT_EQ(fus.grads.size(), ref.grads.size());
           for (const auto& [name, grad] : ref.grads) EXPECT_TRUE(near(fus.grads.at(name), grad, rtol, "d " + name));
         }
-}
-
-// ---- Timing (disabled: run with --gtest_also_run_disabled_tests) -------------------------------
-
-namespace {
-
-// Medians of fused and reference runs taken alternately (the machine is shared: load drifts).
-std::pair<double, double> median_ms(const std::function<void()>& a, const std::function<void()>& b, int repeats) {
-  std::vector<double> ta, tb;
-  auto time = [](const std::function<void()>& fn) {
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  };
-  a();  // warm-up
-  b();
-  for (int i = 0; i < repeats; ++i) {
-    ta.push_back(time(a));
-    tb.push_back(time(b));
-  }
-  std::sort(ta.begin(), ta.end());
-  std::sort(tb.begin(), tb.end());
-  return {ta[ta.size() / 2], tb[tb.size() / 2]};
-}
-
-void time_shape(const char* label, int64_t m, int64_t N, int64_t B, int64_t T, int64_t d, std::vector<int64_t> kernels,
-                int repeats) {
-  auto g = generator(5);
-  const int64_t K = *std::max_element(kernels.begin(), kernels.end());
-  at::Tensor q = at::randn({m, d}, g).requires_grad_(), x = at::randn({N, B, T, d}, g).requires_grad_();
-  at::Tensor conv = (at::randn({N, m - 1, d, K}, g) * 0.3), pconv = at::randn({m - 1, d, K}, g) * 0.3;
-  for (int64_t r = 1; r < m; ++r) {  // taps beyond κ_r are zero, as the pathway pads them
-    conv.select(1, r - 1).narrow(-1, kernels[r - 1], K - kernels[r - 1]).zero_();
-    pconv[r - 1].narrow(-1, kernels[r - 1], K - kernels[r - 1]).zero_();
-  }
-  conv.requires_grad_();
-  pconv.requires_grad_();
-  at::Tensor part = at::randn({B, T, d}, g).requires_grad_(), w = (at::randn({m, m * d}, g) * 0.02).requires_grad_();
-  at::Tensor b = at::zeros({m}).requires_grad_(), a = at::full({1}, 0.01).requires_grad_();
-  at::Tensor gh = at::randn({B, T, d}, g);
-  auto fused_fb = [&] {
-    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
-    at::Tensor h = fused::msar_fuse(out, lse, q, part, pconv, w, b, a, kKeyNormEps);
-    h.backward(gh);
-  };
-  auto ref_fb = [&] {
-    auto [out, lse] = read_ref(q, x, conv);
-    at::Tensor h = fuse_ref(out, lse, q, part, pconv, w, b, a);
-    h.backward(gh);
-  };
-  auto fused_f = [&] {
-    at::NoGradGuard ng;
-    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
-    fused::msar_fuse(out, lse, q, part, pconv, w, b, a, kKeyNormEps);
-  };
-  auto ref_f = [&] {
-    at::NoGradGuard ng;
-    auto [out, lse] = read_ref(q, x, conv);
-    fuse_ref(out, lse, q, part, pconv, w, b, a);
-  };
-  auto [ff, rf] = median_ms(fused_f, ref_f, repeats);
-  auto [ffb, rfb] = median_ms(fused_fb, ref_fb, repeats);
-  {  // where the fused time goes
-    auto [out, lse] = fused::msar_read(q, x, conv, kKeyNormEps);
-    at::Tensor go = at::randn(out.sizes(), g), gl = at::randn(lse.sizes(), g);
-    auto read_back = [&] { torch::autograd::backward({out, lse}, {go, gl}, /*retain_graph=*/true); };
-    at::Tensor h = fused::msar_fuse(out.detach().requires_grad_(), lse.detach().requires_grad_(), q, part, pconv, w, b,
-                                    a, kKeyNormEps);
-    auto fuse_back = [&] { h.backward(gh, /*retain_graph=*/true); };
-    auto [rb, fb] = median_ms(read_back, fuse_back, repeats);
-    std::printf("  %s fused backward: msar_read %.2f ms, msar_fuse %.2f ms\n", label, rb, fb);
-  }
-  std::printf("  %s m %lld N %lld B %lld T %lld d %lld: forward fused %.2f ms, reference %.2f ms (%.1fx); "
-              "forward+backward fused %.2f ms, reference %.2f ms (%.1fx)\n",
-              label, (long long)m, (long long)N, (long long)B, (long long)T, (long long)d, ff, rf, rf / ff, ffb, rfb,
-              rfb / ffb);
-}
-
-}  // namespace
-
-// The tiny config's shapes (m = 4, κ = {4, 8, 12}, d = 128, B = 16, T = 256) with up to 5 sources.
-TEST(FusedMsar, DISABLED_TimingTiny) {
-  std::printf("  threads %d\n", at::get_num_threads());
-  for (int64_t N : {1, 3, 5}) time_shape("tiny", 4, N, 16, 256, 128, {4, 8, 12}, 7);
-}
-
-// 0.1B shapes: d = 640, B = 1, T = 4096, N = 9.
-TEST(FusedMsar, DISABLED_Timing01B) {
-  std::printf("  threads %d\n", at::get_num_threads());
-  time_shape("0.1B", 4, 9, 1, 4096, 640, {4, 8, 12}, 3);
 }
 
 }  // namespace depthkit::test

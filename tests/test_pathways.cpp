@@ -22,7 +22,8 @@
 #include <map>
 
 #include "depthkit/model/transformer.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/mhc.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/fs.h"
@@ -146,7 +147,7 @@ struct AttnResRef : Reference {
 
 at::Tensor logistic(const at::Tensor& x) { return 1.0 / (1.0 + (-x).exp()); }
 
-// mHC (MSAR eq. 4–5 with DESIGN.md's parameterisation), token by token.
+// mHC (MSAR eq. 4–5 with the parameterisation of docs/design.md, "mHC"), token by token.
 struct MhcRef : Reference {
   std::vector<at::Tensor> phi, bias, scale;  // per ℓ
   int64_t m, iters, B, T;
@@ -766,80 +767,11 @@ TEST(Pathways, EveryKindTrains) {
   Progress::set_enabled(true);
 }
 
-}  // namespace depthkit::test
-
-namespace depthkit::test {
-
-int64_t residual_params(const std::string& config, const std::vector<std::string>& sets) {
-  Config c = Config::parse(read_file(config), config, sets);
-  return Transformer(c.model, c.residual, at::kMeta, 0).count().residual;
-}
-
-int64_t non_vocab(const std::string& config, const std::vector<std::string>& sets) {
-  Config c = Config::parse(read_file(config), config, sets);
-  return Transformer(c.model, c.residual, at::kMeta, 0).count().non_vocab;
-}
-
-TEST(Accounting, MhcMatchesDarTableA3) {
-  // DAR Table A.3: mHC (m = 4) 100.292M and 308.062M non-vocabulary parameters.
-  const std::string dir = source_dir() + "/configs/paper/";
-  EXPECT_EQ((non_vocab(dir + "dense-0.1b.toml", {"residual.kind=mhc"}) + 500) / 1000, 100'292);
-  EXPECT_EQ((non_vocab(dir + "dense-0.3b.toml", {"residual.kind=mhc"}) + 500) / 1000, 308'062);
-  // Per branch: md(m² + 2m) + m² + 2m + 3.
-  const int64_t m = 4, d = 640, L = 32;
-  EXPECT_EQ(residual_params(dir + "dense-0.1b.toml", {"residual.kind=mhc"}), L * (m * d * (m * m + 2 * m) + m * m + 2 * m + 3));
-  EXPECT_EQ(residual_params(dir + "dense-0.1b.toml", {"residual.kind=mhc", "residual.streams=2"}),
-            L * (2 * d * 8 + 8 + 3));
-}
-
-TEST(Accounting, MsarMatchesEquation20) {
-  // MSAR eq. 20 with m = 4, κ = {4, 8, 12}: L_b(44d + 5), at the 18B and 28B backbones' depth and width.
-  const std::string cfg = source_dir() + "/configs/paper/dense-0.1b.toml";
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.block_sublayers=8", "model.n_layers=28",
-                                  "model.d_model=2112", "model.n_heads=16", "model.n_kv_heads=8", "model.head_dim=128"}),
-            5'204'248);
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.block_sublayers=8", "model.n_layers=32",
-                                  "model.d_model=2560", "model.n_heads=20", "model.n_kv_heads=10", "model.head_dim=128"}),
-            7'209'280);
-  // Ablations: no convolution banks; mean fusion has no W_pre, b_pre, α_pre.
-  const int64_t d = 640, L = 32;
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.conv=false"}), L * ((16 + 4) * d + 5));
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=msar", "residual.fusion=\"mean\""}), L * ((4 + 24) * d));
-}
-
-TEST(Accounting, SepVAddsOneMapPerSource) {
-  const std::string cfg = source_dir() + "/configs/paper/dense-0.1b.toml";
-  const int64_t d = 640, L = 32;
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=attnres_sepv", "residual.block_sublayers=4"}), L * d + (1 + 8) * d * d);
-  EXPECT_EQ(residual_params(cfg, {"residual.kind=attnres_mhc", "residual.block_sublayers=4"}),
-            L * d + residual_params(cfg, {"residual.kind=mhc"}));
-}
-
-TEST(Config, InvalidPathwayCombinationsNameTheKey) {
-  const std::string base = "[train]\nsteps = 1\n";
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=[4, 0, 12]"}); },
-               {"'residual.kernels'", "got 0"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3"}); },
-               {"'residual.kernels'", "needs 2"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.streams=0"}); }, {"'residual.streams'", "got 0"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=\"4,8\""}); },
-               {"'residual.kernels'", "array of integers"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=mhc", "residual.sinkhorn_iters=0"}); },
-               {"'residual.sinkhorn_iters'"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
-               {"'residual.fusion'", "\"hpre\", \"mean\""});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.impl=\"eager\""}); },
-               {"'residual.impl'", "\"reference\", \"fused\""});
-  Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
-  EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
-  EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);
-}
-
 TEST(Mhc, SinkhornIsNonNegativeWithColumnsSummingToOne) {
   auto g = gen(3);
   for (double spread : {0.0, 0.01, 1.0, 4.0}) {  // at initialisation (≈ 0) and on random logits
     at::Tensor logits = at::randn({1000, 4, 4}, g, at::TensorOptions().dtype(at::kFloat)) * spread;
-    at::Tensor h = sinkhorn(logits.exp(), 20);
+    at::Tensor h = reference::sinkhorn(logits.exp(), 20);
     EXPECT_GE(h.min().item<float>(), 0.0f);
     EXPECT_LT((h.sum(-2) - 1).abs().max().item<float>(), 1e-6f) << "columns, spread " << spread;
     // Rows are not exactly normalised after 20 rounds (reported in docs/design.md).

@@ -6,7 +6,8 @@
 // projections, causal attention over the average context (T + 1)/2, and the LM head; norms,
 // RoPE and softmax are left out, as is usual. The pathway counts every operation its forward
 // does per token (key norms, scores, value sums, merges, gates, convolutions, Sinkhorn), with
-// the constants written next to each term in accounting.cpp. The overhead is MSAR Table 5's
+// the constants written next to each term in the kind's registry entry (pathways/registry.h, in
+// the pathway's own .cpp file). The overhead is MSAR Table 5's
 // ΔF / F_Vanilla: (pathway − the standard residual's adds) ÷ (backbone + those adds).
 //
 // Memory traffic follows MSAR Table 6 (forward pass, leading terms in units of d, parameter
@@ -20,13 +21,9 @@
 #include <vector>
 
 #include "depthkit/config/config.h"
+#include "depthkit/pathways/registry.h"  // TrafficTerm; each kind's cost terms live beside its code
 
 namespace depthkit {
-
-struct TrafficTerm {
-  std::string operation;
-  double read = 0, write = 0;  // in units of d, per token per branch
-};
 
 struct CostReport {
   std::string kind;

@@ -17,6 +17,7 @@
 #include "depthkit/config/config.h"
 #include "depthkit/data/loader.h"
 #include "depthkit/model/transformer.h"
+#include "depthkit/pathways/registry.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
@@ -37,11 +38,8 @@ double linear_cka(const at::Tensor& x, const at::Tensor& y) {
 }
 
 std::vector<std::string> supported_analyses(const std::string& kind) {
-  if (kind == "attnres" || kind == "attnres_sepv" || kind == "msar") return {"maps"};
-  if (kind == "dar") return {"maps", "cka", "rescue", "gates"};
-  if (kind == "mhc") return {"cka", "rescue"};
-  if (kind == "attnres_mhc") return {"maps", "cka", "rescue"};
-  return {};
+  const PathwayKind* k = find_pathway_kind(kind);  // each kind's entry lists them (pathways/registry.h)
+  return k ? k->analyses : std::vector<std::string>{};
 }
 
 namespace {

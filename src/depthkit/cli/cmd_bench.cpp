@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
-#include "depthkit/ops/op_bench.h"
+#include "depthkit/train/op_bench.h"
 #include "depthkit/train/bench.h"
 #include "depthkit/util/error.h"
 

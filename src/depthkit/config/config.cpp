@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 #include <variant>
 
+#include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 
@@ -45,7 +46,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
-      {"residual", "kind", &r.kind, -kInf, kInf, {"residual", "attnres", "dar", "msar", "mhc", "attnres_sepv", "attnres_mhc"}},
+      {"residual", "kind", &r.kind, -kInf, kInf, pathway_kind_names()},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
       {"residual", "streams", &r.streams, 1, 64},
@@ -182,13 +183,9 @@ void validate(const Config& c, const std::string& where) {
          ") is not divisible by model.n_heads (", m.n_heads, ")");
   if (m.resolved_head_dim() % 2 != 0)
     fail(where, ": key 'model.head_dim' must be even for RoPE, got ", m.resolved_head_dim());
-  if (c.residual.kind == "dar" && c.residual.block_sublayers == 1)
-    fail(where, ": key 'residual.block_sublayers' = 1 is degenerate for DAR: a one-branch block stores "
-         "beta (x) f(h), two collinear streams (DAR eq. 19-20); use 2 (Full DAR, one layer) or more");
-  const auto& r = c.residual;
-  if (r.kind == "msar" && r.conv && int64_t(r.kernels.size()) != r.streams - 1)
-    fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
-         r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
+  // The kind's own checks (its entry in pathways/registry.h; e.g. DAR with S = 1, MSAR's kernels).
+  if (const PathwayKind* kind = find_pathway_kind(c.residual.kind); kind && kind->validate)
+    kind->validate(c.residual, where);
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.data.dir.empty()) fail(where, ": key 'data.dir' must not be empty");

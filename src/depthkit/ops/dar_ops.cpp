@@ -15,7 +15,6 @@
 
 #include "depthkit/ops/cpu/dar_cpu.h"
 #include "depthkit/ops/registration.h"
-#include "depthkit/util/error.h"
 
 namespace depthkit {
 
@@ -37,46 +36,6 @@ using WriteBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&,
                                              const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                                              double);
 
-
-cpu::DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
-  if (key.size() != 2 || value.size() != 2) fail("dar_read: key_stream and value_stream must name 2 streams each");
-  for (int64_t s : {key[0], key[1], value[0], value[1]})
-    if (s != 0 && s != 1) fail("dar_read: stream indices must be 0 or 1, got ", s);
-  return {{key[0], key[1]}, {value[0], value[1]}};
-}
-
-// ---- CPU kernels behind the schemas -------------------------------------------------------------
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_cpu(const at::Tensor& q, const at::Tensor& h0,
-                                                            const at::Tensor& h1, const OptTensor& p0,
-                                                            const OptTensor& p1, const at::Tensor& wa,
-                                                            const at::Tensor& ba, const at::Tensor& wb,
-                                                            const at::Tensor& bb, at::IntArrayRef key,
-                                                            at::IntArrayRef value, double eps) {
-  return cpu::dar_read_forward(q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, routing_of(key, value), eps);
-}
-
-std::vector<at::Tensor> dar_read_backward_cpu(const OptTensor& gh, const OptTensor& gb, const at::Tensor& q,
-                                              const at::Tensor& h0, const at::Tensor& h1, const OptTensor& p0,
-                                              const OptTensor& p1, const at::Tensor& wa, const at::Tensor& ba,
-                                              const at::Tensor& wb, const at::Tensor& bb, const at::Tensor& lse,
-                                              at::IntArrayRef key, at::IntArrayRef value, double eps) {
-  return cpu::dar_read_backward(unwrap(gh), unwrap(gb), q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, lse,
-                                routing_of(key, value), eps);
-}
-
-std::tuple<at::Tensor, at::Tensor> dar_write_cpu(const at::Tensor& f, const at::Tensor& beta, const OptTensor& p0,
-                                                 const OptTensor& p1, const OptTensor& w_rho, const OptTensor& b_rho,
-                                                 double eps) {
-  return cpu::dar_write_forward(f, beta, unwrap(p0), unwrap(p1), unwrap(w_rho), unwrap(b_rho), eps);
-}
-
-std::vector<at::Tensor> dar_write_backward_cpu(const OptTensor& g0, const OptTensor& g1, const at::Tensor& f,
-                                               const at::Tensor& beta, const OptTensor& p0, const OptTensor& p1,
-                                               const OptTensor& w_rho, const OptTensor& b_rho, double eps) {
-  return cpu::dar_write_backward(unwrap(g0), unwrap(g1), f, beta, unwrap(p0), unwrap(p1), unwrap(w_rho),
-                                 unwrap(b_rho), eps);
-}
 
 // ---- Autograd: forward through the dispatcher, backward = the hand-written backward op ----------
 
@@ -159,10 +118,10 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 }
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
-  m.impl("dar_read", &dar_read_cpu);
-  m.impl("dar_read_backward", &dar_read_backward_cpu);
-  m.impl("dar_write", &dar_write_cpu);
-  m.impl("dar_write_backward", &dar_write_backward_cpu);
+  m.impl("dar_read", &cpu::dar_read_forward);
+  m.impl("dar_read_backward", &cpu::dar_read_backward);
+  m.impl("dar_write", &cpu::dar_write_forward);
+  m.impl("dar_write_backward", &cpu::dar_write_backward);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {

@@ -1,7 +1,7 @@
 // DAR's residual read and gated write (DAR eq. 9–17): the fused torch operators
 // (depthkit::dar_read, depthkit::dar_write; ops/dar_ops.cpp, Appendix A.1) with hand-written
-// backward passes, and the reference compositions of ATen ops with the same signatures
-// (ops/dar_reference.cpp; autograd gives their backward). pathways/dar.cpp runs either.
+// backward passes. The reference compositions with the same signatures are reference::dar_read and
+// reference::dar_write (ops/reference/reference.h); pathways/dar.cpp runs either.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -31,17 +31,3 @@ std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tenso
                                             double eps);
 
 }  // namespace depthkit::fused
-
-namespace depthkit::reference {
-
-// The same computations from ops/depth_attention.h and ATen ops; log_partition is left undefined.
-fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
-                        const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha,
-                        const at::Tensor& w_beta, const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
-                        const std::array<int64_t, 2>& value_stream, double eps);
-
-std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tensor& beta, const at::Tensor& p0,
-                                            const at::Tensor& p1, const at::Tensor& w_rho, const at::Tensor& b_rho,
-                                            double eps);
-
-}  // namespace depthkit::reference

@@ -1,7 +1,9 @@
 // Fused depth-retrieval operators, registered as torch operators (namespace `depthkit`, see
 // ops/schema.cpp) with CPU kernels (ops/cpu/) and an Autograd kernel whose backward is written by
 // hand. The same ops serve C++ (these functions) and Python (torch.ops.depthkit.*). They equal the
-// reference composition in ops/depth_attention.h, which the tests hold them to.
+// reference compositions reference::depth_read and reference::depth_merge
+// (ops/reference/reference.h), which the tests hold them to. Absent optional inputs are undefined
+// tensors here and in every fused:: function.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -42,8 +42,6 @@ using SinkBackSig = T(const T&, const T&, int64_t);
 using MergeSig = T(const T&, const T&, const T&, const T&);
 using MergeBackSig = std::tuple<T, T, T, T>(const T&, const T&, const T&, const T&, const T&);
 
-T unwrap(const std::optional<T>& t) { return t.has_value() ? *t : T(); }
-
 class MhcPreFunction : public torch::autograd::Function<MhcPreFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const T& x, const T& phi, const T& bias, const T& scale,
@@ -106,13 +104,6 @@ T mhc_merge_autograd(const T& x, const T& f, const T& h_post, const T& h_res) {
   return MhcMergeFunction::apply(x, f, h_post, h_res)[0];
 }
 
-std::tuple<T, T, T, T> mhc_pre_backward_cpu(const std::optional<T>& grad_h, const std::optional<T>& grad_post,
-                                            const std::optional<T>& grad_res, const T& x, const T& phi, const T& bias,
-                                            const T& scale, const T& proj, double eps) {
-  return cpu::mhc_pre_backward(unwrap(grad_h), unwrap(grad_post), unwrap(grad_res),
-                               x, phi, bias, scale, proj, eps);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
@@ -128,7 +119,7 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
   m.impl("mhc_pre", &cpu::mhc_pre_forward);
-  m.impl("mhc_pre_backward", &mhc_pre_backward_cpu);
+  m.impl("mhc_pre_backward", &cpu::mhc_pre_backward);
   m.impl("mhc_sinkhorn", &cpu::mhc_sinkhorn_forward);
   m.impl("mhc_sinkhorn_backward", &cpu::mhc_sinkhorn_backward);
   m.impl("mhc_merge", &cpu::mhc_merge_forward);

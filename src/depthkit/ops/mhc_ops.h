@@ -1,8 +1,8 @@
 // Fused mHC operators (MSAR eq. 3–5), registered as torch operators in namespace `depthkit`
 // (ops/mhc_ops.cpp) with CPU kernels (ops/cpu/mhc_cpu.cpp) and Autograd kernels whose backward is
 // written by hand. The same ops serve C++ (these functions) and Python (torch.ops.depthkit.*). They
-// equal the reference composition in pathways/mhc.h (mhc_pre_reference, mhc_sinkhorn_reference,
-// mhc_merge_reference), which tests/test_fused_mhc.cpp holds them to.
+// equal the reference compositions reference::mhc_pre, reference::mhc_sinkhorn and
+// reference::mhc_merge (ops/reference/reference.h), which tests/test_fused_mhc.cpp holds them to.
 //
 //   depthkit::mhc_pre(Tensor x, Tensor phi, Tensor bias, Tensor scale, float eps)
 //       -> (Tensor h, Tensor h_post, Tensor res_logits, Tensor proj)

@@ -90,26 +90,6 @@ at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, cons
   return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward_cpu(const OptTensor& grad_out, const OptTensor& grad_lse,
-                                                                      const at::Tensor& q, const at::Tensor& x,
-                                                                      const at::Tensor& c, const at::Tensor& lse,
-                                                                      double eps) {
-  return cpu::msar_read_backward(unwrap(grad_out), unwrap(grad_lse), q, x, c, lse, eps);
-}
-
-at::Tensor msar_fuse_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
-                         const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
-  return cpu::msar_fuse_forward(out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
-                                unwrap(b), unwrap(a), eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                       const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
-  return cpu::msar_fuse_backward(grad, out, lse, q, unwrap(part), unwrap(pconv),
-                                 unwrap(w), unwrap(b), unwrap(a), eps);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
@@ -125,9 +105,9 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
   m.impl("msar_read", &cpu::msar_read_forward);
-  m.impl("msar_read_backward", &msar_read_backward_cpu);
-  m.impl("msar_fuse", &msar_fuse_cpu);
-  m.impl("msar_fuse_backward", &msar_fuse_backward_cpu);
+  m.impl("msar_read_backward", &cpu::msar_read_backward);
+  m.impl("msar_fuse", &cpu::msar_fuse_forward);
+  m.impl("msar_fuse_backward", &cpu::msar_fuse_backward);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
@@ -144,11 +124,11 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at
 }
 
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
-                     const std::optional<at::Tensor>& partial, const std::optional<at::Tensor>& partial_conv,
-                     const std::optional<at::Tensor>& w_pre, const std::optional<at::Tensor>& b_pre,
-                     const std::optional<at::Tensor>& alpha_pre, double eps) {
+                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
   static auto fuse = op<FuseSig>("depthkit::msar_fuse");
-  return fuse.call(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, eps);
+  return fuse.call(out, log_partition, queries, wrap(partial), wrap(partial_conv), wrap(w_pre), wrap(b_pre),
+                   wrap(alpha_pre), eps);
 }
 
 }  // namespace fused

@@ -9,11 +9,11 @@
 //   (out, ζ) = msar_read(queries_ℓ, completed sources, their banks)           phase 1 (eq. 11–12)
 //   h_ℓ      = msar_fuse(out, ζ, queries_ℓ, partial, bank ℓ−1, W_pre, b_pre, α_pre)
 //                                                        phase 2 merge (eq. 17) + H_pre (eq. 13–14)
-// and equals the reference composition (Msar with impl = "reference"), which the tests hold it to.
+// and equals the reference compositions reference::msar_read and reference::msar_fuse
+// (ops/reference/reference.h), which the tests hold it to.
 #pragma once
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <tuple>
 
 namespace depthkit::fused {
@@ -30,13 +30,12 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at
 // Phase 2 and fusion, per token: merges the block partial's expansion into each stream by
 // online softmax (λ_r = σ(ζ_r − a_r), DAR eq. A.6–A.10), then fuses the m streams:
 // h = Σ_r H_pre[r] z⁽ʳ⁾ with H_pre = σ(α_pre · RMSNorm(flatten Z) W_preᵀ + b_pre) (eq. 13–14),
-// or h = mean_r z⁽ʳ⁾ when w_pre, b_pre, alpha_pre are absent.
+// or h = mean_r z⁽ʳ⁾ when w_pre, b_pre, alpha_pre are absent (undefined tensors).
 //   out [m, B, T, d], log_partition [m, B, T], queries [m, d];
 //   partial [B, T, d] and partial_conv [m−1, d, K'] (absent at a block's first branch);
 //   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d].
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
-                     const std::optional<at::Tensor>& partial, const std::optional<at::Tensor>& partial_conv,
-                     const std::optional<at::Tensor>& w_pre, const std::optional<at::Tensor>& b_pre,
-                     const std::optional<at::Tensor>& alpha_pre, double eps);
+                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
 
 }  // namespace depthkit::fused

@@ -1,23 +1,18 @@
 // Helpers shared by the operator registration files (schema.cpp, dar_ops.cpp, msar_ops.cpp,
-// mhc_ops.cpp): typed handles of the depthkit operators, and the conversions between an optional
-// tensor (a `Tensor?` in a schema) and a possibly undefined at::Tensor (what the kernels take).
+// mhc_ops.cpp): typed handles of the depthkit operators, and (optional_tensor.h) the conversions
+// between an optional tensor (a `Tensor?` in a schema) and a possibly undefined at::Tensor.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <optional>
+#include "depthkit/ops/optional_tensor.h"
 
 namespace depthkit {
-
-using OptTensor = std::optional<at::Tensor>;
 
 // The operator `name` ("depthkit::depth_read") with the C++ signature Sig.
 template <class Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
-
-inline at::Tensor unwrap(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
-inline OptTensor wrap(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 }  // namespace depthkit

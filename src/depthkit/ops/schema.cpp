@@ -1,6 +1,6 @@
 // The depthkit torch operators: schemas, the CPU kernels behind them, and the Autograd kernels
-// that route the backward to the hand-written backward operators. The CUDA issue registers CUDA
-// kernels on the same schemas.
+// that route the backward to the hand-written backward operators. ops/cuda/depth_read_cuda.cu
+// registers CUDA kernels of depth_read and depth_merge (forward and backward) on the same schemas.
 //
 //   depthkit::depth_read(Tensor queries, Tensor keys, Tensor? values, float eps) -> (Tensor out, Tensor log_partition)
 //   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, float eps) -> Tensor
@@ -83,30 +83,6 @@ at::Tensor depth_merge_autograd(const at::Tensor& out, const at::Tensor& lse, co
   return DepthMergeFunction::apply(out, lse, q, k, v, eps)[0];
 }
 
-std::tuple<at::Tensor, at::Tensor> depth_read_cpu(const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
-                                                  double eps) {
-  return cpu::depth_read_forward(q, k, unwrap(v), eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cpu(const OptTensor& grad_out,
-                                                                       const OptTensor& grad_lse, const at::Tensor& q,
-                                                                       const at::Tensor& k, const OptTensor& v,
-                                                                       const at::Tensor& lse, double eps) {
-  return cpu::depth_read_backward(unwrap(grad_out), unwrap(grad_lse), q, k,
-                                  unwrap(v), lse, eps);
-}
-
-at::Tensor depth_merge_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
-                           const OptTensor& v, double eps) {
-  return cpu::depth_merge_forward(out, lse, q, k, unwrap(v), eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward_cpu(
-    const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
-    const OptTensor& v, double eps) {
-  return cpu::depth_merge_backward(grad, out, lse, q, k, unwrap(v), eps);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(depthkit, m) {
@@ -120,10 +96,10 @@ TORCH_LIBRARY(depthkit, m) {
 }
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
-  m.impl("depth_read", &depth_read_cpu);
-  m.impl("depth_read_backward", &depth_read_backward_cpu);
-  m.impl("depth_merge", &depth_merge_cpu);
-  m.impl("depth_merge_backward", &depth_merge_backward_cpu);
+  m.impl("depth_read", &cpu::depth_read_forward);
+  m.impl("depth_read_backward", &cpu::depth_read_backward);
+  m.impl("depth_merge", &cpu::depth_merge_forward);
+  m.impl("depth_merge_backward", &cpu::depth_merge_backward);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {

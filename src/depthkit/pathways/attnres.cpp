@@ -5,8 +5,10 @@
 #include <ATen/ops/ones_like.h>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
 
 namespace depthkit {
 
@@ -22,13 +24,13 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), query_(branches_ + 1),
+    : schedule_{residual.block_sublayers, model.n_branches()}, query_(schedule_.branches + 1),
       fused_(residual.impl == "fused") {
-  for (int64_t l = 2; l <= branches_; ++l)
+  for (int64_t l = 2; l <= schedule_.branches; ++l)
     query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
   if (residual.kind == "attnres_sepv") {
-    const int64_t d = model.d_model, n_sources = 1 + (branches_ + block_ - 1) / block_;
+    const int64_t d = model.d_model, n_sources = 1 + schedule_.blocks();
     for (int64_t r = 0; r < n_sources; ++r)  // identity maps: the model starts as AttnRes
       value_maps_.push_back(params.add(prefix + ".value_map." + std::to_string(r), "residual", {d, d}, Init::Identity));
   }
@@ -48,24 +50,20 @@ at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
 at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
                                  const at::Tensor& key_part, const at::Tensor& value_part) const {
   // vals / value_part undefined: the values are the keys (no SepV maps).
-  if (!fused_) {
-    DepthRead hist = depth_read(q, keys, vals.defined() ? vals : keys);
-    return key_part.defined() ? merge_partial(hist, q, key_part, value_part.defined() ? value_part : key_part)
-                              : hist.out;
-  }
+  auto read = fused_ ? fused::depth_read : reference::depth_read;
+  auto merge = fused_ ? fused::depth_merge : reference::depth_merge;
   const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
   auto flat = [&](const at::Tensor& x, at::IntArrayRef shape) { return x.defined() ? x.reshape(shape) : x; };
-  auto [out, lse] = fused::depth_read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}),
-                                      kKeyNormEps);
-  at::Tensor h = key_part.defined() ? fused::depth_merge(out[0], lse[0], q, key_part.reshape({B * T, d}),
-                                                         flat(value_part, {B * T, d}), kKeyNormEps)
-                                    : out[0];
+  auto [out, lse] = read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}), kKeyNormEps);
+  at::Tensor h = key_part.defined()
+                     ? merge(out[0], lse[0], q, key_part.reshape({B * T, d}), flat(value_part, {B * T, d}), kKeyNormEps)
+                     : out[0];
   return h.view({B, T, d});
 }
 
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
-  const bool first_in_block = (l - 1) % block_ == 0;
+  const bool first_in_block = schedule_.opens(l);
   if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
     if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed.entries()[0].select(-1, 0)).unsqueeze(-1), false);
     return s.values.entries()[0];
@@ -81,8 +79,8 @@ at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
-  s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;
-  if (l % block_ == 0 || l == branches_) {  // block boundary (the last block may be shorter)
+  s.partial = schedule_.opens(l) ? out : s.partial + out;
+  if (schedule_.closes(l)) {  // block boundary (the last block may be shorter)
     s.values.push(value(s.completed.size(), s.partial));
     s.completed.push(s.partial);
     s.partial = at::Tensor();
@@ -91,8 +89,60 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
-  if (observer_) observer_->on_retrieval(branches_ + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
+  if (observer_) observer_->on_retrieval(schedule_.branches + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
   return read_sources(out_query_, s.completed.stacked(), value_maps_.empty() ? at::Tensor() : s.values.stacked(), {}, {});
+}
+
+// ---- Registry entries (registry.h) --------------------------------------------------------------
+
+namespace {
+
+// AttnRes (eq. 9, two-phase): keys normalised once per append, per read scores and value sums
+// over the completed sources, the partial's norm, score and merge, the block accumulation.
+double attnres_flops(const CostShape& s, bool sepv) {
+  using namespace cost;
+  double f = (s.N + 1) * kNorm * s.d;                              // key norms, once per source
+  if (sepv) f += (s.N + 1) * 2 * s.d * s.d;                        // value maps W_v,r (eq. 21)
+  for (int64_t l = 2; l <= int64_t(s.L); ++l) {
+    f += double(s.completed_before(l)) * (kScore + kValue) * s.d;  // phase 1
+    if (!s.first_in_block(l)) {
+      f += (kNorm + kScore + kMerge) * s.d + s.d;                  // phase 2, partial += f
+      if (sepv) f += 2 * s.d * s.d;                                // the partial's value map
+    }
+  }
+  return f + (s.N + 1) * (kScore + kValue) * s.d;                  // output query
+}
+
+PathwayKind attnres_kind(const char* name, bool sepv) {
+  PathwayKind k;
+  k.name = name;
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) {
+    return std::make_unique<AttnRes>(r, m, p);
+  };
+  k.analyses = {"maps"};
+  k.flops = [sepv](const CostShape& s, const ResidualConfig&) { return attnres_flops(s, sepv); };
+  return k;
+}
+
+}  // namespace
+
+PathwayKind attnres_pathway_kind() {
+  PathwayKind k = attnres_kind("attnres", false);
+  k.traffic = [](const CostShape& s) {
+    return std::vector<TrafficTerm>{{"phase 1 (amortised)", s.N / s.S, 1}, {"phase 2", 3, 1}};
+  };
+  return k;
+}
+
+PathwayKind attnres_sepv_pathway_kind() {
+  PathwayKind k = attnres_kind("attnres_sepv", true);
+  k.traffic = [](const CostShape& s) {  // values read apart from keys; each source and partial mapped
+    return std::vector<TrafficTerm>{{"phase 1: keys and values (amortised)", 2 * s.N / s.S, 1},
+                                    {"value map of completed sources (amortised)", 1 / s.S, 1 / s.S},
+                                    {"value map of the partial", 1, 1},
+                                    {"phase 2", 4, 1}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

@@ -33,8 +33,7 @@ class AttnRes final : public ResidualPathway {
   at::Tensor finish(PathwayState& state) override;
 
  private:
-  int64_t block_;     // S
-  int64_t branches_;  // L_b
+  BlockSchedule schedule_;
   std::vector<at::Tensor> query_;  // [L_b + 1]; query_[ℓ] for ℓ ≥ 2, query_[0], query_[1] unused
   at::Tensor out_query_;
   std::vector<at::Tensor> value_maps_;  // attnres_sepv: [d, d] per source index; empty otherwise

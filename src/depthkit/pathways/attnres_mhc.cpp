@@ -2,6 +2,7 @@
 
 #include <ATen/TensorOperators.h>
 
+#include "depthkit/pathways/registry.h"
 namespace depthkit {
 
 namespace {
@@ -51,6 +52,28 @@ std::vector<at::Tensor> AttnResMhc::stream_states(PathwayState& state) { return 
 void AttnResMhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
   check_stream_count(states, stream_states(state).size(), kind());
   mhc_.set_stream_states(*both(state).mhc, states);
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind attnres_mhc_pathway_kind() {
+  PathwayKind k;
+  k.name = "attnres_mhc";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) {
+    return std::make_unique<AttnResMhc>(r, m, p);
+  };
+  k.analyses = {"maps", "cka", "rescue"};
+  // Both pathways' terms, plus each branch's sum of the two reads and the final one.
+  k.flops = [](const CostShape& s, const ResidualConfig& r) {
+    return pathway_kind("attnres").flops(s, r) + pathway_kind("mhc").flops(s, r) + s.L * s.d + s.d;
+  };
+  k.traffic = [](const CostShape& s) {
+    std::vector<TrafficTerm> rows = pathway_kind("attnres").traffic(s);
+    for (TrafficTerm& t : pathway_kind("mhc").traffic(s)) rows.push_back(t);
+    rows.push_back({"sum of the two reads", 2, 1});
+    return rows;
+  };
+  return k;
 }
 
 }  // namespace depthkit

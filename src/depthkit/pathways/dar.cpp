@@ -7,8 +7,11 @@
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit {
 
@@ -32,12 +35,12 @@ std::pair<int, int> route(const std::string& routing, int j) {
 }  // namespace
 
 Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), routing_(residual.routing),
-      fused_(residual.impl == "fused"), branch_(branches_ + 1) {
+    : schedule_{residual.block_sublayers, model.n_branches()}, routing_(residual.routing),
+      fused_(residual.impl == "fused"), branch_(schedule_.branches + 1) {
   const int64_t d = model.d_model;
   // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
   const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
-  for (int64_t l = 1; l <= branches_; ++l) {
+  for (int64_t l = 1; l <= schedule_.branches; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
     Branch& b = branch_[l];
     b.q0 = params.add(p + "q0", "residual", {d}, Init::Zeros);
@@ -46,7 +49,7 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
     b.b_alpha = params.add(p + "alpha.bias", "residual", {2}, Init::Zeros);
     b.w_beta = params.add(p + "beta.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
     b.b_beta = params.add(p + "beta.bias", "residual", {2}, Init::Zeros);
-    if ((l - 1) % block_ != 0) {  // transport gate: only branches that find a partial state
+    if (!schedule_.opens(l)) {  // transport gate: only branches that find a partial state
       b.w_rho = params.add(p + "rho.weight", "residual", {1, 2 * d}, Init::Zeros);
       b.b_rho = params.add(p + "rho.bias", "residual", {1}, Init::Constant, kRhoBias);
     }
@@ -93,7 +96,7 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
   s.p0 = p0.view({B, T, d});
   s.p1 = p1.view({B, T, d});
-  if (l % block_ == 0 || l == branches_) {  // H_b = P^S (eq. 18)
+  if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
     s.h0.push(s.p0);
     s.h1.push(s.p1);
     s.p0 = s.p1 = at::Tensor();
@@ -102,16 +105,16 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
-  if (observer_) observe_read(state, branches_ + 1, out_q0_, out_q1_);
+  if (observer_) observe_read(state, schedule_.branches + 1, out_q0_, out_q1_);
   const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+  auto read = fused_ ? fused::depth_read : reference::depth_read;
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
   for (int j = 0; j < 2; ++j) {
     auto [k, v] = route(routing_, j);
     const at::Tensor& q = j == 0 ? out_q0_ : out_q1_;
     const at::Tensor keys = completed[k].view({N, B * T, d}), values = completed[v].view({N, B * T, d});
-    at::Tensor o = fused_ ? std::get<0>(fused::depth_read(q.unsqueeze(0), keys, values, kKeyNormEps))[0]
-                          : depth_read(q, keys, values).out;
+    at::Tensor o = std::get<0>(read(q.unsqueeze(0), keys, values, kKeyNormEps))[0];
     out = j == 0 ? o : out + o;
   }
   return out.view({B, T, d});
@@ -143,6 +146,43 @@ void Dar::observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, con
     const int k = route(routing_, j).first;  // the weights depend on the keys only
     observer_->on_retrieval(l, j, depth_weights(j == 0 ? q0 : q1, completed[k], partial[k]), s.p0.defined());
   }
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind dar_pathway_kind() {
+  PathwayKind k;
+  k.name = "dar";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Dar>(r, m, p); };
+  k.validate = [](const ResidualConfig& r, const std::string& where) {
+    if (r.block_sublayers == 1)
+      fail(where, ": key 'residual.block_sublayers' = 1 is degenerate for DAR: a one-branch block stores "
+           "beta (x) f(h), two collinear streams (DAR eq. 19-20); use 2 (Full DAR, one layer) or more");
+  };
+  k.analyses = {"maps", "cka", "rescue", "gates"};
+  k.streams = 2;
+  // eq. 10–18: both streams read, gates α, β on Norm([h⁰; h¹]), the gated write with M(ρ).
+  k.flops = [](const CostShape& s, const ResidualConfig&) {
+    using namespace cost;
+    double f = (s.N + 1) * 2 * kNorm * s.d;  // both streams' key norms, once per entry
+    for (int64_t l = 1; l <= int64_t(s.L); ++l) {
+      f += 2 * double(s.completed_before(l)) * (kScore + kValue) * s.d;
+      f += 2 * kNorm * s.d + 2 * (2 * 2 * s.d) + 3 * s.d;  // Norm([h⁰;h¹]), α and β (2×2d each), α⁰h⁰ + α¹h¹
+      f += 2 * s.d;                                        // β ⊗ f
+      if (!s.first_in_block(l))
+        f += 2 * (kNorm + kScore + kMerge) * s.d            // the partials
+             + 2 * kNorm * s.d + 2 * 2 * s.d                // ρ = σ(Norm([P⁰;P¹]) W_ρ + b_ρ)
+             + 2 * 3 * s.d + 2 * s.d;                       // M(ρ) P, + β ⊗ f
+    }
+    return f + 2 * (s.N + 1) * (kScore + kValue) * s.d + s.d;  // two output reads, h⁰ + h¹
+  };
+  // Both streams' sources once; the merge reads two outputs and two partials.
+  k.traffic = [](const CostShape& s) {
+    return std::vector<TrafficTerm>{{"phase 1: both streams (amortised)", 2 * s.N / s.S, 2},
+                                    {"phase 2: merge and alpha gate", 4, 1},
+                                    {"gated write with transport", 3, 2}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

@@ -13,7 +13,7 @@
 // appended as H_b = P^S at the block boundary (eq. 18; the last block may be shorter). Two output
 // queries read the completed history the same way; h_out = h⁰_out + h¹_out.
 //
-// Initialisation (DESIGN.md): queries 0 (uniform retrieval); W_α, W_β normal(0, 0.2/√(2d)), so
+// Initialisation (docs/design.md, "DAR"): queries 0 (uniform retrieval); W_α, W_β normal(0, 0.2/√(2d)), so
 // their logits have standard deviation 0.2 at any width: small and random, to break the swap
 // symmetry of the two streams (swapping them is otherwise a symmetry of the model and its gradients); W_ρ 0; b_α = b_β = 0 so that
 // α ≈ (½, ½) and β ≈ (1, 1); b_ρ = 4 so that ρ ≈ 0.98 (transport near identity). DAR then starts
@@ -49,7 +49,7 @@ class Dar final : public ResidualPathway {
   // Reports both streams' retrieval weights of read ℓ (L_b + 1: the readout) to the observer.
   void observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const;
 
-  int64_t block_, branches_;
+  BlockSchedule schedule_;
   std::string routing_;
   bool fused_;  // residual.impl: the fused operators or the reference compositions (ops/dar_ops.h)
   std::vector<Branch> branch_;  // [L_b + 1], index ℓ

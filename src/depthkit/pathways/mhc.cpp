@@ -1,17 +1,12 @@
 #include "depthkit/pathways/mhc.h"
 
-#include <ATen/TensorOperators.h>
-#include <ATen/ops/amax.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/exp.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/mhc_ops.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
 
 namespace depthkit {
 
@@ -22,44 +17,6 @@ struct Streams final : PathwayState {
 };
 Streams& streams(PathwayState& s) { return static_cast<Streams&>(s); }
 }  // namespace
-
-at::Tensor sinkhorn(const at::Tensor& positive, int64_t iters) {
-  at::Tensor p = positive;
-  for (int64_t k = 0; k < iters; ++k) {
-    p = p / p.sum(-1, /*keepdim=*/true);  // rows
-    p = p / p.sum(-2, /*keepdim=*/true);  // columns (normalised last: exact)
-  }
-  return p;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre_reference(const at::Tensor& x, const at::Tensor& phi,
-                                                                 const at::Tensor& bias, const at::Tensor& scale) {
-  const int64_t m = x.size(-2);
-  // α ⊙ (x φ)/rms(x) + b, with α_pre, α_post, α_res spread over their m, m and m² logits.
-  at::Tensor alpha = at::cat({scale.narrow(0, 0, 1).expand({m}), scale.narrow(0, 1, 1).expand({m}),
-                              scale.narrow(0, 2, 1).expand({m * m})});
-  at::Tensor logits = alpha * at::linear(key_norm(x.flatten(-2, -1)), phi) + bias;
-  at::Tensor pre = at::sigmoid(logits.narrow(-1, 0, m));      // H_pre
-  at::Tensor post = 2.0 * at::sigmoid(logits.narrow(-1, m, m));  // H_post
-  std::vector<int64_t> res_shape(x.sizes().begin(), x.sizes().end() - 1);
-  res_shape.push_back(m);
-  at::Tensor res = logits.narrow(-1, 2 * m, m * m).reshape(res_shape);
-  return {(pre.unsqueeze(-1) * x).sum(-2), post, res};  // eq. 4: Σ_i H_pre[i] x_i
-}
-
-at::Tensor mhc_sinkhorn_reference(const at::Tensor& res_logits, int64_t iters) {
-  // In float32 (or float64 when the model is): exp overflows late, the sums stay exact.
-  const auto wide = res_logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor res = res_logits.to(wide);
-  res = res - res.amax({-2, -1}, /*keepdim=*/true).detach();  // scale-free: Sinkhorn ignores it
-  return sinkhorn(at::exp(res), iters).to(res_logits.scalar_type());
-}
-
-at::Tensor mhc_merge_reference(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post,
-                               const at::Tensor& h_res) {
-  // eq. 5: x'_j = H_post[j] f + Σ_i H_res[i, j] x_i
-  return h_post.unsqueeze(-1) * f.unsqueeze(-2) + at::matmul(h_res.transpose(-1, -2), x);
-}
 
 Mhc::Mhc(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params, const std::string& prefix)
     : m_(residual.streams), iters_(residual.sinkhorn_iters), fused_(residual.impl == "fused"),
@@ -82,21 +39,18 @@ std::unique_ptr<PathwayState> Mhc::begin(const at::Tensor& embedding) {
 at::Tensor Mhc::read(PathwayState& state, int64_t l) {
   Streams& s = streams(state);
   const Branch& b = branch_[l];
-  if (fused_) {
-    auto [h, post, res_logits] = fused::mhc_pre(s.x, b.phi, b.bias, b.scale, kKeyNormEps);
-    s.h_post = post;
-    s.h_res = fused::mhc_sinkhorn(res_logits, iters_);
-    return h;
-  }
-  auto [h, post, res_logits] = mhc_pre_reference(s.x, b.phi, b.bias, b.scale);
+  auto pre = fused_ ? fused::mhc_pre : reference::mhc_pre;
+  auto sinkhorn = fused_ ? fused::mhc_sinkhorn : reference::mhc_sinkhorn;
+  auto [h, post, res_logits] = pre(s.x, b.phi, b.bias, b.scale, kKeyNormEps);  // eq. 3–4
   s.h_post = post;
-  s.h_res = mhc_sinkhorn_reference(res_logits, iters_);
+  s.h_res = sinkhorn(res_logits, iters_);
   return h;
 }
 
 void Mhc::write(PathwayState& state, int64_t, const at::Tensor& out) {
   Streams& s = streams(state);
-  s.x = fused_ ? fused::mhc_merge(s.x, out, s.h_post, s.h_res) : mhc_merge_reference(s.x, out, s.h_post, s.h_res);
+  auto merge = fused_ ? fused::mhc_merge : reference::mhc_merge;
+  s.x = merge(s.x, out, s.h_post, s.h_res);  // eq. 5
 }
 
 at::Tensor Mhc::finish(PathwayState& state) { return streams(state).x.sum(2); }
@@ -113,5 +67,32 @@ void Mhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& 
 }
 
 at::Tensor Mhc::last_h_res(PathwayState& state) { return streams(state).h_res; }
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind mhc_pathway_kind() {
+  PathwayKind k;
+  k.name = "mhc";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Mhc>(r, m, p); };
+  k.analyses = {"cka", "rescue"};
+  k.blocks = false;
+  // eq. 3–5: the md × (m² + 2m) projection on the normalised state, Sinkhorn on m × m, the
+  // pre-mix, post and res maps.
+  k.flops = [](const CostShape& s, const ResidualConfig& r) {
+    const double md = s.m * s.d, n = s.m * s.m + 2 * s.m;
+    const double per_branch = cost::kNorm * md + 2 * md * n + s.m * s.m * (1 + 4 * double(r.sinkhorn_iters))  // exp, rows/cols
+                              + 2 * md + md + 2 * s.m * md + md;  // H_pre x, H_post f, H_res x, + together
+    return s.L * per_branch + md;                                 // sum of streams
+  };
+  k.traffic = [](const CostShape& s) {
+    const double m = s.m;
+    return std::vector<TrafficTerm>{{"compute mixing coefficients", m, 0},
+                                    {"apply H_pre", m, 1},
+                                    {"apply H_post", 1, m},
+                                    {"apply H_res", m, m},
+                                    {"residual merge", 2 * m, m}};
+  };
+  return k;
+}
 
 }  // namespace depthkit

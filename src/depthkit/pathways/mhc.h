@@ -1,5 +1,5 @@
-// Manifold-constrained Hyper-Connections, mHC (MSAR eq. 3–5; Xie et al.; DESIGN.md settles the
-// parameterisation, which DeepSeek's reference code and Megatron share).
+// Manifold-constrained Hyper-Connections, mHC (MSAR eq. 3–5; Xie et al.; docs/design.md, "mHC",
+// settles the parameterisation, which DeepSeek's reference code and Megatron share).
 //
 // The state is m streams X = (x_1 … x_m), all starting as the embedding. For branch ℓ, from the
 // flattened state x = [x_1; …; x_m] ∈ R^{md}:
@@ -14,29 +14,14 @@
 // Parameters per branch: md(m² + 2m) + (m² + 2m) + 3. Initialisation: φ normal(0, init_std),
 // b = 0 (H_pre = ½, H_post = 1, H_res uniform), α = 0.01.
 //
-// residual.impl = "reference" composes ATen ops (below; autograd gives the backward); "fused" runs
-// the depthkit operators of ops/mhc_ops.h (hand-written backward), which equal it.
+// residual.impl = "fused" runs the depthkit operators of ops/mhc_ops.h (hand-written backward);
+// "reference" their ATen compositions with the same signatures (ops/reference/reference.h).
 #pragma once
-#include <tuple>
 #include <vector>
 
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {
-
-// Sinkhorn–Knopp on a positive matrix [..., m, m]: `iters` rounds of row then column normalisation.
-at::Tensor sinkhorn(const at::Tensor& positive, int64_t iters);
-
-// The reference composition of one branch's mixing, in ATen ops (autograd gives the backward):
-// pre-mix x [*, m, d], φ, bias, scale → (h [*, d], H_post [*, m], H_res logits [*, m, m]) (eq. 3–4);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre_reference(const at::Tensor& x, const at::Tensor& phi,
-                                                                 const at::Tensor& bias, const at::Tensor& scale);
-// H_res from its logits: float32 (float64 for float64), max subtracted, `iters` rounds, returned
-// in the logits' dtype;
-at::Tensor mhc_sinkhorn_reference(const at::Tensor& res_logits, int64_t iters);
-// post + res merge (eq. 5): x'_j = H_post[j] f + Σ_i H_res[i, j] x_i.
-at::Tensor mhc_merge_reference(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post,
-                               const at::Tensor& h_res);
 
 class Mhc final : public ResidualPathway {
  public:

@@ -2,39 +2,38 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/conv1d.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/stack.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "depthkit/model/parameters.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/msar_ops.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/registry.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit {
 
 namespace {
 struct Sources final : PathwayState {
-  std::vector<at::Tensor> expanded;  // reference: completed sources, already expanded: [m, B, T, d] each
-  StackedHistory raw;                // fused: completed sources, single-stream [B, T, d] each
-  StackedHistory taps;               // fused: their banks, [m − 1, d, K] each
-  std::vector<int64_t> banks;        // the bank index of each completed source
-  at::Tensor partial;                // the current block's sum; undefined at block start
-  at::Tensor last_input;             // h_ℓ of the last read (for the final residual merge)
-  at::Tensor last_output;            // f_ℓ(h_ℓ) of the last write
+  StackedHistory raw;   // completed sources, single-stream [B, T, d] each (expanded at each read)
+  StackedHistory taps;  // their banks, [m − 1, d, K] each
+  at::Tensor partial;     // the current block's sum; undefined at block start
+  at::Tensor last_input;  // h_ℓ of the last read (for the final residual merge)
+  at::Tensor last_output; // f_ℓ(h_ℓ) of the last write
 };
 Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 }  // namespace
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : block_(residual.block_sublayers), branches_(model.n_branches()), m_(residual.streams), conv_(residual.conv),
+    : schedule_{residual.block_sublayers, model.n_branches()}, m_(residual.streams), conv_(residual.conv),
       mean_fusion_(residual.fusion == "mean"), fused_(residual.impl == "fused"), d_(model.d_model),
-      kernels_(residual.kernels), branch_(branches_ + 1), bank_(branches_) {
+      kernels_(residual.kernels), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
   const int64_t d = model.d_model;
-  for (int64_t l = 1; l <= branches_; ++l) {
+  for (int64_t l = 1; l <= schedule_.branches; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
     Branch& b = branch_[l];
     b.queries = params.add(p + "queries", "residual", {m_, d}, Init::Zeros);
@@ -45,30 +44,10 @@ Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterSt
     }
   }
   if (conv_)
-    for (int64_t k = 0; k < branches_; ++k)
+    for (int64_t k = 0; k < schedule_.branches; ++k)
       for (int64_t r = 1; r < m_; ++r)
         bank_[k].push_back(params.add("residual.bank." + std::to_string(k) + ".conv" + std::to_string(r), "residual",
                                       {d, kernels_[r - 1]}, Init::Zeros));
-}
-
-at::Tensor Msar::expand(const at::Tensor& x, int64_t bank) const {
-  std::vector<at::Tensor> out = {x};  // stream 0: the identity
-  if (!conv_) {
-    for (int64_t r = 1; r < m_; ++r) out.push_back(x);  // ablation: replicated sources
-    return at::stack(out);
-  }
-  const int64_t T = x.size(1), d = x.size(2);
-  at::Tensor channels = x.transpose(1, 2);  // [B, d, T]
-  for (int64_t r = 1; r < m_; ++r) {
-    const at::Tensor& c = bank_[bank][r - 1];  // [d, κ], c[:, δ] weighs x_{t−δ} (eq. 10)
-    const int64_t k = c.size(1);
-    // conv1d correlates: out_t = Σ_j w_j x_{t−(κ−1)+j} after κ−1 zeros on the left, so w_j = c_{κ−1−j}.
-    at::Tensor padded = at::constant_pad_nd(channels, {k - 1, 0});
-    at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
-                              at::IntArrayRef{1}, d);
-    out.push_back(y.transpose(1, 2).narrow(1, 0, T));
-  }
-  return at::stack(out);
 }
 
 at::Tensor Msar::taps(int64_t bank) const {
@@ -82,13 +61,8 @@ at::Tensor Msar::taps(int64_t bank) const {
 
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
-  s.banks.push_back(bank);
-  if (fused_) {
-    s.raw.push(source);
-    s.taps.push(taps(bank));
-  } else {
-    s.expanded.push_back(expand(source, bank));
-  }
+  s.raw.push(source);
+  s.taps.push(taps(bank));
 }
 
 std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
@@ -100,49 +74,26 @@ std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
 at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
-  const bool first_in_block = (l - 1) % block_ == 0;
   if (observer_) observe_read(state, l);
-  if (fused_) {
-    auto [out, lse] = fused::msar_read(b.queries, s.raw.stacked(), s.taps.stacked(), kKeyNormEps);
-    std::optional<at::Tensor> part, part_taps, w, bias, alpha;
-    if (!first_in_block) {
-      part = s.partial;
-      part_taps = taps(l - 1);  // bank ℓ−1
-    }
-    if (!mean_fusion_) {
-      w = b.w_pre;
-      bias = b.b_pre;
-      alpha = b.alpha_pre;
-    }
-    s.last_input = fused::msar_fuse(out, lse, b.queries, part, part_taps, w, bias, alpha, kKeyNormEps);
-    return s.last_input;
-  }
-  at::Tensor completed = at::stack(s.expanded, 1);  // [m, N, B, T, d]
-  at::Tensor part = first_in_block ? at::Tensor() : expand(s.partial, l - 1);  // bank ℓ−1
-  std::vector<at::Tensor> z;
-  for (int64_t r = 0; r < m_; ++r) {  // per-stream depth attention (eq. 11–12, 17)
-    at::Tensor q = b.queries[r];
-    DepthRead hist = depth_read(q, completed[r], completed[r]);
-    z.push_back(first_in_block ? hist.out : merge_partial(hist, q, part[r], part[r]));
-  }
-  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
-  if (mean_fusion_) {
-    s.last_input = Z.mean(-2);
-  } else {  // eq. 13–14
-    at::Tensor flat = key_norm(Z.flatten(-2));
-    at::Tensor pre = at::sigmoid(b.alpha_pre * at::linear(flat, b.w_pre) + b.b_pre);  // [B, T, m]
-    s.last_input = (pre.unsqueeze(-1) * Z).sum(-2);
-  }
+  auto read = fused_ ? fused::msar_read : reference::msar_read;
+  auto fuse = fused_ ? fused::msar_fuse : reference::msar_fuse;
+  // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
+  auto [out, lse] = read(b.queries, s.raw.stacked(), s.taps.stacked(), kKeyNormEps);
+  // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
+  // H_pre fusion (eq. 13–14) or the mean.
+  const bool with_partial = !schedule_.opens(l);
+  s.last_input = fuse(out, lse, b.queries, with_partial ? s.partial : at::Tensor(),
+                      with_partial ? taps(l - 1) : at::Tensor(), b.w_pre, b.b_pre, b.alpha_pre, kKeyNormEps);
   return s.last_input;
 }
 
 void Msar::observe_read(PathwayState& state, int64_t l) const {
   Sources& s = sources(state);
-  std::vector<at::Tensor> expanded = s.expanded;
-  if (fused_)
-    for (size_t i = 0; i < s.raw.size(); ++i) expanded.push_back(expand(s.raw.entries()[i], s.banks[i]));
+  std::vector<at::Tensor> expanded;
+  for (size_t i = 0; i < s.raw.size(); ++i)
+    expanded.push_back(reference::msar_expand(s.raw.entries()[i], s.taps.entries()[i]));
   at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
-  at::Tensor part = (l - 1) % block_ == 0 ? at::Tensor() : expand(s.partial, l - 1);
+  at::Tensor part = schedule_.opens(l) ? at::Tensor() : reference::msar_expand(s.partial, taps(l - 1));
   for (int64_t r = 0; r < m_; ++r)
     observer_->on_retrieval(l, r, depth_weights(branch_[l].queries[r], completed[r], part.defined() ? part[r] : part),
                             part.defined());
@@ -151,9 +102,9 @@ void Msar::observe_read(PathwayState& state, int64_t l) const {
 void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   Sources& s = sources(state);
   s.last_output = out;
-  s.partial = (l - 1) % block_ == 0 ? out : s.partial + out;  // eq. 16
-  if (l % block_ == 0 || l == branches_) {                     // eq. 15: block complete
-    if (l < branches_) append(s, s.partial, l);  // bank of its last branch
+  s.partial = schedule_.opens(l) ? out : s.partial + out;  // eq. 16
+  if (schedule_.closes(l)) {  // eq. 15: block complete
+    if (l < schedule_.branches) append(s, s.partial, l);  // bank of its last branch
     s.partial = at::Tensor();
   }
 }
@@ -161,6 +112,43 @@ void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 at::Tensor Msar::finish(PathwayState& state) {
   Sources& s = sources(state);
   return s.last_input + s.last_output;  // residual merge of the last branch
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind msar_pathway_kind() {
+  PathwayKind k;
+  k.name = "msar";
+  k.make = [](const ResidualConfig& r, const ModelConfig& m, ParameterStore& p) { return std::make_unique<Msar>(r, m, p); };
+  k.validate = [](const ResidualConfig& r, const std::string& where) {
+    if (r.conv && int64_t(r.kernels.size()) != r.streams - 1)
+      fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
+           r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
+  };
+  k.analyses = {"maps"};
+  // eq. 10–17: causal depthwise expansion of each source (once, N appends; the last output is
+  // merged, not expanded) and of each partial, per-stream reads, H_pre fusion.
+  k.flops = [](const CostShape& s, const ResidualConfig& r) {
+    using namespace cost;
+    const double conv = r.conv ? 2 * s.d * double(std::accumulate(r.kernels.begin(), r.kernels.end(), int64_t(0))) : 0;
+    double f = s.N * (conv + s.m * kNorm * s.d);
+    for (int64_t l = 1; l <= int64_t(s.L); ++l) {
+      f += s.m * double(s.completed_before(l)) * (kScore + kValue) * s.d;
+      if (!s.first_in_block(l)) f += conv + s.m * (kNorm + kScore + kMerge) * s.d + s.d;
+      f += r.fusion == "mean" ? s.m * s.d
+                              : kNorm * s.m * s.d + 2 * s.m * s.d * s.m + 2 * s.m * s.d;  // Norm, W_pre, Σ H_pre Z
+    }
+    return f + s.d;  // h_L + f_L(h_L)
+  };
+  k.traffic = [](const CostShape& s) {
+    const double NS = s.N / s.S, m = s.m;
+    return std::vector<TrafficTerm>{{"phase 1: logits (amortised)", NS / 2, 0},
+                                    {"phase 1: values (amortised)", NS / 2, m},
+                                    {"phase 2: partial update and scoring", 2, 1},
+                                    {"phase 2: merge and H_pre gate", m + 1, m},
+                                    {"stream aggregation", m, 1}};
+  };
+  return k;
 }
 
 }  // namespace depthkit

@@ -17,9 +17,11 @@
 //
 // Ablations: conv = false (streams are replicas of the source, queries stay independent: no
 // bank parameters); fusion = "mean" (h = mean_r z⁽ʳ⁾: no W_pre, b_pre, α_pre).
-// impl = "fused": the read runs as two fused operators (ops/msar_ops.h): msar_read over the raw
-// completed sources (expanded on the fly, never stored: the state keeps single-stream sources
-// only) and msar_fuse (partial merge + H_pre or mean fusion); impl = "reference" composes ATen ops.
+// The read runs as two operators (ops/msar_ops.h): msar_read over the raw completed sources and
+// their banks, and msar_fuse (partial merge + H_pre or mean fusion). The state keeps single-stream
+// sources only, for both implementations: impl = "fused" expands them on the fly and never stores
+// the expansions; impl = "reference" runs the ATen compositions with the same signatures
+// (ops/reference/reference.h), which expand them at each read.
 // Initialisation: queries 0, convolutions 0 (streams r ≥ 1 start empty), W_pre normal(0, init_std),
 // b_pre 0, α_pre 0.01.
 #pragma once
@@ -40,14 +42,12 @@ class Msar final : public ResidualPathway {
 
   static constexpr double kPreScale = 0.01;
 
-  // The m streams of a source x [B, T, d] under bank `bank`: [m, B, T, d].
-  at::Tensor expand(const at::Tensor& x, int64_t bank) const;
   // Bank `bank` as the fused operators take it: [m − 1, d, K], taps zero-padded to the largest
   // kernel K; identity taps (ones, K = 1, constant) for conv = false.
   at::Tensor taps(int64_t bank) const;
 
  private:
-  // Adds a completed source to the state: expanded (reference) or raw with its taps (fused).
+  // Adds a completed source to the state, with its bank's taps.
   void append(PathwayState& state, const at::Tensor& source, int64_t bank) const;
   // Reports every stream's retrieval weights of read ℓ to the observer.
   void observe_read(PathwayState& state, int64_t l) const;
@@ -56,7 +56,8 @@ class Msar final : public ResidualPathway {
     at::Tensor queries;                   // [m, d]
     at::Tensor w_pre, b_pre, alpha_pre;   // [m, md], [m], [1] (fusion = "hpre")
   };
-  int64_t block_, branches_, m_;
+  BlockSchedule schedule_;
+  int64_t m_;
   bool conv_, mean_fusion_, fused_;
   int64_t d_;
   std::vector<int64_t> kernels_;

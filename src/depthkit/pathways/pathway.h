@@ -1,4 +1,4 @@
-// The one seam between the backbone and its residual pathway (DESIGN.md, "The one seam").
+// The one seam between the backbone and its residual pathway (docs/design.md, "The seam").
 // The backbone drives every branch ℓ = 1 … L_b (attention and feed-forward alternate) as
 //
 //   state = path.begin(embedding)
@@ -19,9 +19,9 @@ namespace depthkit {
 
 class ParameterStore;
 
-// What analysis sees of a pathway (DESIGN.md: an observer, so that analysis code does not reach
-// into a pathway's internals). Every callback is optional; the tensors are detached, and an
-// observer must not modify them.
+// What analysis sees of a pathway (docs/design.md, "The seam": an observer, so that analysis code
+// does not reach into a pathway's internals). Every callback is optional; the tensors are
+// detached, and an observer must not modify them.
 class PathwayObserver {
  public:
   virtual ~PathwayObserver() = default;
@@ -31,6 +31,26 @@ class PathwayObserver {
   virtual void on_retrieval(int64_t branch, int64_t stream, const at::Tensor& weights, bool with_partial) {}
   // The write gates of branch ℓ, [B, T, streams] (DAR's β_ℓ, eq. 16).
   virtual void on_write_gates(int64_t branch, const at::Tensor& gates) {}
+};
+
+// The block schedule shared by every block pathway (docs/design.md, "Pathways"; DAR eq. 8–9,
+// MSAR eq. 15–16): branches ℓ = 1 … L_b in blocks of S, block b = 1 … blocks() holding branches
+// (b−1)S + 1 … min(bS, L_b), so the last block may be shorter and no S is rejected for not dividing
+// L_b. The first branch of a block reads the completed sources only; the branch that closes a block
+// turns its partial into a completed source. S = 1 is the Full form (every branch its own block).
+struct BlockSchedule {
+  int64_t size;      // S, branches per block
+  int64_t branches;  // L_b
+
+  // ℓ is the first branch of its block (no partial to merge).
+  bool opens(int64_t l) const { return (l - 1) % size == 0; }
+  // ℓ is the last branch of its block (its write completes a source).
+  bool closes(int64_t l) const { return l % size == 0 || l == branches; }
+  // The number of blocks, ⌈L_b / S⌉.
+  int64_t blocks() const { return (branches + size - 1) / size; }
+  // The block b = 1 … blocks() that holds branch ℓ; at ℓ it has b completed sources before it
+  // (the embedding and blocks 1 … b − 1).
+  int64_t block_of(int64_t l) const { return (l - 1) / size + 1; }
 };
 
 // Per-forward state of a pathway (the residual stream, a depth history, several streams...).
@@ -85,7 +105,8 @@ class StackedHistory {
 // Throws unless `states` holds `expected` tensors (for set_stream_states of pathway `kind`).
 void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind);
 
-// Builds the pathway named by residual.kind, registering its parameters (component "residual").
+// Builds the pathway named by residual.kind, registering its parameters (component "residual"):
+// the factory of its entry in the pathway registry (pathways/registry.h, registry.cpp).
 std::unique_ptr<ResidualPathway> make_pathway(const ResidualConfig& residual, const ModelConfig& model,
                                               ParameterStore& params);
 

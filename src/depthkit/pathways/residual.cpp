@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 
 #include "depthkit/util/error.h"
+#include "depthkit/pathways/registry.h"
 
 namespace depthkit {
 
@@ -30,6 +31,19 @@ at::Tensor StandardResidual::finish(PathwayState& state) { return stream(state).
 void StandardResidual::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
   check_stream_count(states, 1, kind());
   stream(state).h = states[0];
+}
+
+// ---- Registry entry (registry.h) ----------------------------------------------------------------
+
+PathwayKind residual_pathway_kind() {
+  PathwayKind k;
+  k.name = "residual";
+  k.make = [](const ResidualConfig&, const ModelConfig&, ParameterStore&) { return std::make_unique<StandardResidual>(); };
+  k.analyses = {};  // no depth attention, no streams to compare
+  k.blocks = false;
+  k.flops = [](const CostShape& s, const ResidualConfig&) { return s.L * s.d; };  // h + f(h) per branch
+  k.traffic = [](const CostShape&) { return std::vector<TrafficTerm>{{"residual merge", 2, 1}}; };
+  return k;
 }
 
 }  // namespace depthkit

@@ -64,6 +64,14 @@ void check_read(const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1,
     fail("dar_read: all inputs must share one dtype");
 }
 
+// The routing arguments of the schema (int[] key_stream, int[] value_stream, DAR eq. 22).
+DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
+  if (key.size() != 2 || value.size() != 2) fail("dar_read: key_stream and value_stream must name 2 streams each");
+  for (int64_t s : {key[0], key[1], value[0], value[1]})
+    if (s != 0 && s != 1) fail("dar_read: stream indices must be 0 or 1, got ", s);
+  return {{key[0], key[1]}, {value[0], value[1]}};
+}
+
 at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
 // Candidate c of a stream for token p: a completed entry (c < N) or the partial (c = N).
@@ -94,7 +102,7 @@ void logits(const Candidates<scalar_t>& cand, const scalar_t* q, const DarRoutin
       else if (for0) std::tie(xx, d0) = square_and_dot<acc_t>(x, q, d);
       else if (for1) std::tie(xx, d1) = square_and_dot<acc_t>(x, q + d, d);
       else xx = dot<acc_t>(x, x, d);
-      const acc_t sc = acc_t(1) / std::sqrt(xx / acc_t(d) + acc_t(eps));
+      const acc_t sc = inv_rms<acc_t>(xx, d, eps);
       if (for0) a[c] = sc * d0;
       if (for1) a[C + c] = sc * d1;
       if (s_out) s_out[st * C + c] = sc;
@@ -121,7 +129,7 @@ GateLogits<acc_t> gate_logits(const acc_t* u, const scalar_t* wa, const scalar_t
     b0 += acc_t(wb[i]) * ui;
     b1 += acc_t(wb[n + i]) * ui;
   }
-  return {acc_t(1) / std::sqrt(uu / acc_t(n) + acc_t(eps)), {a0, a1}, {b0, b1}};
+  return {inv_rms<acc_t>(uu, n, eps), {a0, a1}, {b0, b1}};
 }
 
 // The gates' backward over u = [z⁰; z¹] (2d) from the logit gradients ∂ℓα, ∂ℓβ (eq. 13–15):
@@ -154,9 +162,12 @@ void gate_backward(const acc_t* z, acc_t* gu, acc_t* gz, const scalar_t* g, acc_
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
-    const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_, const at::Tensor& p0_,
-    const at::Tensor& p1_, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
-    const at::Tensor& b_beta, const DarRouting& routing, double eps) {
+    const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_, const OptTensor& p0_opt,
+    const OptTensor& p1_opt, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
+    const at::Tensor& b_beta, at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps) {
+  const at::Tensor p0_ = unwrap(p0_opt);
+  const at::Tensor p1_ = unwrap(p1_opt);
+  const DarRouting routing = routing_of(key_stream, value_stream);
   check_read(queries, h0_, h1_, p0_, p1_, w_alpha, b_alpha, w_beta, b_beta);
   const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
                    p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
@@ -210,12 +221,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
   return {h, beta, lse};
 }
 
-std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::Tensor& grad_beta_,
+std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const OptTensor& grad_beta_opt,
                                           const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_,
-                                          const at::Tensor& p0_, const at::Tensor& p1_, const at::Tensor& w_alpha,
+                                          const OptTensor& p0_opt, const OptTensor& p1_opt, const at::Tensor& w_alpha,
                                           const at::Tensor& b_alpha, const at::Tensor& w_beta,
-                                          const at::Tensor& b_beta, const at::Tensor& lse_, const DarRouting& routing,
-                                          double eps) {
+                                          const at::Tensor& b_beta, const at::Tensor& lse_,
+                                          at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps) {
+  const at::Tensor grad_h_ = unwrap(grad_h_opt);
+  const at::Tensor grad_beta_ = unwrap(grad_beta_opt);
+  const at::Tensor p0_ = unwrap(p0_opt);
+  const at::Tensor p1_ = unwrap(p1_opt);
+  const DarRouting routing = routing_of(key_stream, value_stream);
   const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
                    p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
                    ba = b_alpha.contiguous(), wb = w_beta.contiguous(), bb = b_beta.contiguous(),
@@ -323,8 +339,12 @@ std::vector<at::Tensor> dar_read_backward(const at::Tensor& grad_h_, const at::T
 }
 
 std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const at::Tensor& beta_,
-                                                     const at::Tensor& p0_, const at::Tensor& p1_,
-                                                     const at::Tensor& w_rho, const at::Tensor& b_rho, double eps) {
+                                                     const OptTensor& p0_opt, const OptTensor& p1_opt,
+                                                     const OptTensor& w_rho_opt, const OptTensor& b_rho_opt, double eps) {
+  const at::Tensor p0_ = unwrap(p0_opt);
+  const at::Tensor p1_ = unwrap(p1_opt);
+  const at::Tensor w_rho = unwrap(w_rho_opt);
+  const at::Tensor b_rho = unwrap(b_rho_opt);
   if (f_.dim() != 2 || beta_.sizes() != at::IntArrayRef{f_.size(0), 2})
     fail("dar_write: expected f [P, d] and beta [P, 2], got ", f_.sizes(), " and ", beta_.sizes());
   const int64_t P = f_.size(0), d = f_.size(1);
@@ -357,7 +377,7 @@ std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const
           continue;
         }
         const scalar_t *x0 = pp0 + p * d, *x1 = pp1 + p * d;
-        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(x0, x0, d) + dot<acc_t>(x1, x1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(x0, x0, d) + dot<acc_t>(x1, x1, d), 2 * d, eps);
         const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, x0, d) + dot<acc_t>(wrp + d, x1, d)) + brv);
         for (int64_t i = 0; i < d; ++i) {
           const acc_t a0 = acc_t(x0[i]), a1 = acc_t(x1[i]), fi = acc_t(fr[i]);
@@ -370,9 +390,15 @@ std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const
   return {out0, out1};
 }
 
-std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::Tensor& grad1_, const at::Tensor& f_,
-                                           const at::Tensor& beta_, const at::Tensor& p0_, const at::Tensor& p1_,
-                                           const at::Tensor& w_rho, const at::Tensor& b_rho, double eps) {
+std::vector<at::Tensor> dar_write_backward(const OptTensor& grad0_opt, const OptTensor& grad1_opt, const at::Tensor& f_,
+                                           const at::Tensor& beta_, const OptTensor& p0_opt, const OptTensor& p1_opt,
+                                           const OptTensor& w_rho_opt, const OptTensor& b_rho_opt, double eps) {
+  const at::Tensor grad0_ = unwrap(grad0_opt);
+  const at::Tensor grad1_ = unwrap(grad1_opt);
+  const at::Tensor p0_ = unwrap(p0_opt);
+  const at::Tensor p1_ = unwrap(p1_opt);
+  const at::Tensor w_rho = unwrap(w_rho_opt);
+  const at::Tensor b_rho = unwrap(b_rho_opt);
   const int64_t P = f_.size(0), d = f_.size(1);
   const bool transport = p0_.defined();
   const auto acc = acc_type_of(f_);
@@ -409,7 +435,7 @@ std::vector<at::Tensor> dar_write_backward(const at::Tensor& grad0_, const at::T
         gbp[2 * p + 1] = dot<acc_t>(x1, fr, d);
         if (!transport) continue;
         const scalar_t *a0 = pp0 + p * d, *a1 = pp1 + p * d;
-        const acc_t r = acc_t(1) / std::sqrt((dot<acc_t>(a0, a0, d) + dot<acc_t>(a1, a1, d)) / acc_t(2 * d) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(a0, a0, d) + dot<acc_t>(a1, a1, d), 2 * d, eps);
         const acc_t rho = sigmoid(r * (dot<acc_t>(wrp, a0, d) + dot<acc_t>(wrp + d, a1, d)) + brv);
         const acc_t drho = dot_of_differences<acc_t>(x0, x1, a0, a1, d);  // (g⁰ − g¹)·(P⁰ − P¹)
         const acc_t dl = drho * rho * (acc_t(1) - rho);

@@ -63,7 +63,8 @@ std::tuple<acc_t, acc_t, acc_t> merge_reductions(const scalar_t* k, const scalar
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const at::Tensor& values_, double eps) {
+                                                      const OptTensor& values_opt, double eps) {
+  const at::Tensor values_ = unwrap(values_opt);
   const at::Tensor& values = values_.defined() ? values_ : keys;  // undefined: values are the keys
   check_read(queries, keys, values);
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous();
@@ -83,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
         for (int64_t r = 0; r < N; ++r) {
           const scalar_t* kr = kp + (r * P + p) * d;
           const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
-          const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          const acc_t s = inv_rms<acc_t>(kk, d, eps);
           a[r] = s * qk;
           for (int64_t m = 1; m < M; ++m) a[m * N + r] = s * dot<acc_t>(qp + m * d, kr, d);
         }
@@ -110,10 +111,12 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out_, const at::Tensor& grad_lse_,
-                                                                   const at::Tensor& queries, const at::Tensor& keys,
-                                                                   const at::Tensor& values_, const at::Tensor& lse_,
-                                                                   double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
+    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, const at::Tensor& keys,
+    const OptTensor& values_opt, const at::Tensor& lse_, double eps) {
+  const at::Tensor grad_out_ = unwrap(grad_out_opt);
+  const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
+  const at::Tensor values_ = unwrap(values_opt);
   // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
   const bool shared = !values_.defined();
   const at::Tensor& values = shared ? keys : values_;
@@ -147,7 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
           } else {
             std::tie(kk, qk[r]) = square_and_dot<acc_t>(kr, qp, d);
           }
-          s[r] = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps));
+          s[r] = inv_rms<acc_t>(kk, d, eps);
         }
         for (int64_t m = 0; m < M; ++m) {
           const scalar_t* qm = qp + m * d;
@@ -186,7 +189,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Ten
 }
 
 at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-                               const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+                               const at::Tensor& key_part, const OptTensor& value_part_opt, double eps) {
+  const at::Tensor value_part_ = unwrap(value_part_opt);
   const at::Tensor& value_part = value_part_.defined() ? value_part_ : key_part;  // undefined: the key
   if (out_.dim() != 2 || key_part.sizes() != out_.sizes() || value_part.sizes() != out_.sizes() ||
       lse_.dim() != 1 || lse_.size(0) != out_.size(0) || query.dim() != 1 || query.size(0) != out_.size(1))
@@ -206,7 +210,7 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t* kr = kp + p * d;
         const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
-        const acc_t a = qk / std::sqrt(kk / acc_t(d) + acc_t(eps));  // (A.8)
+        const acc_t a = qk * inv_rms<acc_t>(kk, d, eps);  // (A.8)
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));      // σ(ζ − a) (A.9)
         for (int64_t i = 0; i < d; ++i)
           hp[p * d + i] = scalar_t(lambda * acc_t(op[p * d + i]) + (acc_t(1) - lambda) * acc_t(vp[p * d + i]));  // (A.10)
@@ -218,7 +222,8 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
     const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,
-    const at::Tensor& key_part, const at::Tensor& value_part_, double eps) {
+    const at::Tensor& key_part, const OptTensor& value_part_opt, double eps) {
+  const at::Tensor value_part_ = unwrap(value_part_opt);
   const bool shared = !value_part_.defined();  // the value is the key: one gradient
   const at::Tensor& value_part = shared ? key_part : value_part_;
   const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -241,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_mer
         const scalar_t *kr = kp + p * d, *gr = gp + p * d, *orow = op + p * d, *vr = vp + p * d;
         // One pass for the key's norm, q · k and ∂h/∂λ · g = g · (out − v_part).
         const auto [kk, qk, dlambda] = merge_reductions<acc_t>(kr, qp, gr, orow, vr, d);
-        const acc_t s = acc_t(1) / std::sqrt(kk / acc_t(d) + acc_t(eps)), a = s * qk;
+        const acc_t s = inv_rms<acc_t>(kk, d, eps), a = s * qk;
         const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(a - lp[p]));
         const acc_t dz = dlambda * lambda * (acc_t(1) - lambda);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
         glp[p] = dz;

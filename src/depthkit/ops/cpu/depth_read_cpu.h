@@ -4,23 +4,25 @@
 
 #include <tuple>
 
+#include "depthkit/ops/optional_tensor.h"
+
 namespace depthkit::cpu {
 
 std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const at::Tensor& values, double eps);
+                                                      const OptTensor& values, double eps);
 // Gradients of (out, ζ) → (queries, keys, values). grad_lse may be undefined (zero).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const at::Tensor& grad_out,
-                                                                   const at::Tensor& grad_lse,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const OptTensor& grad_out,
+                                                                   const OptTensor& grad_lse,
                                                                    const at::Tensor& queries, const at::Tensor& keys,
-                                                                   const at::Tensor& values, const at::Tensor& lse,
+                                                                   const OptTensor& values, const at::Tensor& lse,
                                                                    double eps);
 
 at::Tensor depth_merge_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
-                               const at::Tensor& key_part, const at::Tensor& value_part, double eps);
+                               const at::Tensor& key_part, const OptTensor& value_part, double eps);
 // Gradients of h → (out, ζ, query, key_part, value_part).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_merge_backward(
     const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
-    const at::Tensor& key_part, const at::Tensor& value_part, double eps);
+    const at::Tensor& key_part, const OptTensor& value_part, double eps);
 
 // How many threads an at::parallel_for over n items runs on inside the kernel files: the check that
 // they are compiled with OpenMP, without which at::parallel_for runs every range on one thread.

@@ -1,6 +1,8 @@
 // Small building blocks shared by the CPU kernels: dot products and norms over d, accumulated in
 // acc_t (float32 for float32/bfloat16 storage, float64 for float64). The loops are plain so that
-// the compiler vectorises them (the kernel files compile with -fopenmp-simd; no OpenMP runtime).
+// the compiler vectorises them: the kernel files compile with -fopenmp, which makes `#pragma omp
+// simd` vectorise the reductions and at::parallel_for run on LibTorch's OpenMP thread pool
+// (CMakeLists.txt).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -97,10 +99,14 @@ inline std::tuple<acc_t, acc_t, acc_t> square_and_two_dots(const X* x, const Q* 
   return {xx, qx, gx};
 }
 
-// 1 / √(mean_d x² + ε): the weightless RMSNorm's scale (Norm_h, DAR eq. 2).
-template <class acc_t, class scalar_t>
-inline acc_t inv_rms(const scalar_t* x, int64_t d, double eps) {
-  return acc_t(1) / std::sqrt(dot<acc_t>(x, x, d) / acc_t(d) + acc_t(eps));
+// 1 / √(mean x² + ε) from Σ x² over n entries: the scale of the weightless RMSNorm (Norm_h, DAR
+// eq. 2; the joint Norm([·;·]) of eq. 13 and 16 over 2d; mHC's rms over md; MSAR's over the m·d of
+// flatten Z, eq. 13). Every kernel takes the sum of squares from a pass it makes anyway
+// (square_and_dot, square_and_two_dots), so this is the one place the formula is written. (The
+// CUDA kernels have the same function in ops/cuda/depth_read_cuda.cu.)
+template <class acc_t>
+inline acc_t inv_rms(acc_t sum_squares, int64_t n, double eps) {
+  return acc_t(1) / std::sqrt(sum_squares / acc_t(n) + acc_t(eps));
 }
 
 template <class acc_t>
@@ -113,13 +119,6 @@ template <class acc_t, class X>
 inline void axpy(acc_t* y, acc_t a, const X* x, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) y[i] += a * acc_t(x[i]);
-}
-
-// y += a · x + b · z over d.
-template <class acc_t, class X, class Z>
-inline void axpy2(acc_t* y, acc_t a, const X* x, acc_t b, const Z* z, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) y[i] += a * acc_t(x[i]) + b * acc_t(z[i]);
 }
 
 // The gradients of one depth-attention candidate in one pass (depth_read, depth_merge, dar_read):

@@ -1,9 +1,9 @@
-// CPU kernels of the fused mHC operators (MSAR eq. 3–5; DESIGN.md's parameterisation).
+// CPU kernels of the fused mHC operators (MSAR eq. 3–5; the parameterisation of docs/design.md, "mHC").
 //
 // Layout: the streams of token p are x_p = [x_1; …; x_m] ∈ R^{md} (x [P, m, d] contiguous), the
 // branch output f [P, d]; n = m² + 2m logits per token, ordered (pre: m, post: m, res: m² row-major
 // over (i, j)). Parallel over tokens p with at::parallel_for; loops over d are contiguous and
-// vectorised (`#pragma omp simd`, -fopenmp-simd); accumulation in the wide type acc_t (float32,
+// vectorised (`#pragma omp simd`); accumulation in the wide type acc_t (float32,
 // float64 for float64 inputs); bfloat16 storage is accepted.
 //
 // Pre-mix (eq. 3–4). With r = 1/√(mean(x²) + ε) over the md entries, u = x φᵀ ∈ R^n:
@@ -14,7 +14,7 @@
 // that the BLAS does at memory speed; everything around it is one pass over x per token.
 // Backward, from ḡ_h, ḡ_post, ḡ_res (undefined = 0):
 //   ∂l_pre,i = (ḡ_h · x_i) σ(1 − σ),  ∂l_post,i = ḡ_post,i 2σ(1 − σ),  ∂l_res = ḡ_res
-//   ∂b = Σ_p ∂l,  ∂α_g = Σ_p Σ_{k∈g} ∂l_k z_k,  ∂u_k = r α_k ∂l_k
+//   ∂b = Σ_p ∂l,  ∂α_g = Σ_p Σ_{k∈g} ∂l_k z_k  (per block of tokens, kernel_math.h),  ∂u_k = r α_k ∂l_k
 //   ∂φ = ∂uᵀ x (GEMM),  ∂x_i = [∂u φ]_i (GEMM) + H_pre[i] ḡ_h − (r² q / md) x_i,  q = Σ_k α_k ∂l_k z_k
 // (the last term is the path through r: ∂r/∂x = −r³ x / md and ∂r = q / r). Kept for the backward:
 // the inputs and proj [P, n]; r and H_pre are recomputed.
@@ -41,7 +41,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/stack.h>
 
 #include <algorithm>
 #include <cmath>
@@ -219,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
       std::vector<acc_t> acc(d), pre(m);
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t* xs = xp + p * md;
-        const acc_t r = acc_t(1) / std::sqrt(dot<acc_t>(xs, xs, md) / acc_t(md) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(xs, xs, md), md, eps);
         acc_t* z = zp + p * n;
         for (int64_t k = 0; k < n; ++k) z[k] *= r;
         for (int64_t i = 0; i < m; ++i) pre[i] = sigmoid(ap[0] * z[i] + bp[i]);                          // H_pre
@@ -241,8 +240,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
-    const at::Tensor& grad_h_, const at::Tensor& grad_post_, const at::Tensor& grad_res_, const at::Tensor& x_,
+    const OptTensor& grad_h_opt, const OptTensor& grad_post_opt, const OptTensor& grad_res_opt, const at::Tensor& x_,
     const at::Tensor& phi, const at::Tensor& bias_, const at::Tensor& scale_, const at::Tensor& proj_, double eps) {
+  const at::Tensor grad_h_ = unwrap(grad_h_opt);
+  const at::Tensor grad_post_ = unwrap(grad_post_opt);
+  const at::Tensor grad_res_ = unwrap(grad_res_opt);
   check_pre(x_, phi, bias_, scale_);
   const int64_t m = x_.size(-2), d = x_.size(-1), n = m * m + 2 * m, md = m * d;
   const auto wide = wide_type(x_.scalar_type());
@@ -255,7 +257,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
   const at::Tensor gpost = grad_post_.defined() ? grad_post_.to(wide).contiguous() : at::Tensor();
   const at::Tensor gres = grad_res_.defined() ? grad_res_.to(wide).contiguous() : at::Tensor();
   const auto wopt = x.options().dtype(wide);
-  at::Tensor dl = at::empty({P, n}, wopt);   // ∂l
+  // ∂b = Σ_p ∂l and ∂α_g = Σ_p Σ_{k∈g} ∂l_k z_k, one partial sum per block of tokens (kernel_math.h):
+  // [blocks, n + 3], the n entries of ∂b then the three of ∂α.
+  at::Tensor parts = at::zeros({sum_blocks(P), n + 3}, wopt);
   at::Tensor du = at::empty({P, n}, wopt);   // ∂u = r α ∂l
   at::Tensor dx = at::empty({P, md}, wopt);  // H_pre[i] ḡ_h − (r² q / md) x_i, then + ∂u φ
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "mhc_pre_backward", [&] {
@@ -265,15 +269,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
     const acc_t* gpp = gpost.defined() ? gpost.const_data_ptr<acc_t>() : nullptr;
     const acc_t* grp = gres.defined() ? gres.const_data_ptr<acc_t>() : nullptr;
     const acc_t *zp = proj.const_data_ptr<acc_t>(), *bp = bias.const_data_ptr<acc_t>(), *ap = scale.const_data_ptr<acc_t>();
-    acc_t *dlp = dl.mutable_data_ptr<acc_t>(), *dup = du.mutable_data_ptr<acc_t>(), *dxp = dx.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, P, grain(4 * md + 2 * n), [&](int64_t p0, int64_t p1) {
-      std::vector<acc_t> pre(m);
+    acc_t *partp = parts.mutable_data_ptr<acc_t>(), *dup = du.mutable_data_ptr<acc_t>(), *dxp = dx.mutable_data_ptr<acc_t>();
+    parallel_for_blocks(P, grain(4 * md + 2 * n), [&](int64_t p0, int64_t p1) {
+      std::vector<acc_t> pre(m), dl(n);
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t* xs = xp + p * md;
         const scalar_t* g = ghp ? ghp + p * d : nullptr;
-        const acc_t r = acc_t(1) / std::sqrt(dot<acc_t>(xs, xs, md) / acc_t(md) + acc_t(eps));
+        const acc_t r = inv_rms<acc_t>(dot<acc_t>(xs, xs, md), md, eps);
         const acc_t* z = zp + p * n;
-        acc_t* dlk = dlp + p * n;
+        acc_t* dlk = dl.data();
         for (int64_t i = 0; i < m; ++i) {
           const acc_t s = sigmoid(ap[0] * z[i] + bp[i]);
           pre[i] = s;
@@ -286,10 +290,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
         for (int64_t k = 0; k < m * m; ++k) dlk[2 * m + k] = grp ? grp[p * m * m + k] : acc_t(0);
         acc_t q = 0;
         acc_t* duk = dup + p * n;
+        acc_t* part = partp + sum_block(p) * (n + 3);
         for (int64_t k = 0; k < n; ++k) {
-          const acc_t a = ap[k < m ? 0 : k < 2 * m ? 1 : 2];
+          const int64_t group = k < m ? 0 : k < 2 * m ? 1 : 2;
+          const acc_t a = ap[group];
           q += a * dlk[k] * z[k];
           duk[k] = r * a * dlk[k];
+          part[k] += dlk[k];                    // ∂b
+          part[n + group] += dlk[k] * z[k];     // ∂α
         }
         const acc_t c = -q * r * r / acc_t(md);
         for (int64_t i = 0; i < m; ++i) {
@@ -305,9 +313,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
   const at::Tensor phi_w = phi.to(wide);
   dx.addmm_(du, phi_w);
   at::Tensor dphi = at::mm(du.t(), x.scalar_type() == wide ? X : X.to(wide));
-  at::Tensor dbias = dl.sum(0);
-  at::Tensor dlz = (dl * proj).sum(0);
-  at::Tensor dscale = at::stack({dlz.narrow(0, 0, m).sum(), dlz.narrow(0, m, m).sum(), dlz.narrow(0, 2 * m, m * m).sum()});
+  const at::Tensor sums = parts.sum(0);
+  at::Tensor dbias = sums.narrow(0, 0, n), dscale = sums.narrow(0, n, 3);
   return {dx.to(x.scalar_type()).view(x_.sizes()), dphi.to(phi.scalar_type()), dbias.to(bias_.scalar_type()),
           dscale.to(scale_.scalar_type())};
 }

@@ -7,6 +7,8 @@
 
 #include <tuple>
 
+#include "depthkit/ops/optional_tensor.h"
+
 namespace depthkit::cpu {
 
 // Pre-mix: x [*, m, d], phi [n, md], bias [n], scale [3] → h [*, d] (dtype of x),
@@ -17,8 +19,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
                                                                            const at::Tensor& scale, double eps);
 // Gradients of (h, h_post, res_logits) → (x, phi, bias, scale). Undefined gradients count as zero.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
-    const at::Tensor& grad_h, const at::Tensor& grad_h_post, const at::Tensor& grad_res_logits, const at::Tensor& x,
-    const at::Tensor& phi, const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& proj, double eps);
+    const OptTensor& grad_h, const OptTensor& grad_h_post, const OptTensor& grad_res_logits,
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& bias, const at::Tensor& scale,
+    const at::Tensor& proj, double eps);
 
 // Sinkhorn–Knopp on exp(logits − max): logits [*, m, m] → H_res [*, m, m], wide.
 at::Tensor mhc_sinkhorn_forward(const at::Tensor& logits, int64_t iters);

@@ -19,13 +19,14 @@
 //   ∂x_{n,t−δ} += c_{n,r,δ} ⊙ ∂v_n,  ∂c_{n,r,δ} += ∂v_n ⊙ x_{n,t−δ}    (identity for r = 0).
 // The ∂x scatter reaches K − 1 tokens back: tokens are cut into tiles of at least K − 1 per batch
 // row and the even tiles run in parallel, then the odd ones, so no two tasks write one token.
-// Query and tap gradients are sums over tokens: one partial sum per thread, added at the end.
+// Query and tap gradients are sums over tokens: one partial sum per group of tiles (a fixed number
+// of tokens, causal_window.h), added at the end, so they do not depend on the number of threads.
 // Taps after a kernel's last nonzero tap (the zero padding of the shorter kernels) are skipped in
 // the expansion and in ∂x, which is exact; ∂c is computed for all K taps.
 // The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
 // register blocks (window_block): 4 rows × 16 values of d summed in registers, each tap (or
 // source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
-// thread's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per row s, one update of ∂x_s per tile.
+// group's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per row s, one update of ∂x_s per tile.
 //
 // Merge-fuse forward, per token: with the partial p (bank c'),
 //   v_r = expansion of p,  a_r = s_r (q_r·v_r),  λ_r = σ(ζ_r − a_r),
@@ -52,171 +53,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "depthkit/ops/cpu/causal_window.h"
 #include "depthkit/ops/cpu/kernel_math.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
 
 namespace {
-
-// Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
-// δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
-// nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
-template <class acc_t, class scalar_t>
-void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
-  if (taps == nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
-    return;
-  }
-  std::fill_n(v, d, acc_t(0));
-  const int64_t taps_used = std::min<int64_t>(used, t + 1);  // zero before position 0
-  for (int64_t delta = 0; delta < taps_used; ++delta) {
-    const scalar_t* x = x_t - delta * d;
-    const acc_t* c = taps + delta * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) v[i] += c[i] * acc_t(x[i]);
-  }
-}
-
-// The convolution and its two transposes are all windowed sums over rows of d values,
-//   out_j (+)= Σ_{k<nk} a_k ⊙ b_{j+σk}
-// (expansion: j = t, k = δ, a = taps, b = x, σ = −1; ∂x: j = s, k = δ, a = taps, b = ∂v, σ = +1;
-// ∂c: j = δ, k = s, a = x, b = ∂v, σ = +1). They run in register blocks of J rows × one chunk of
-// W values of d: the J·W sums stay in registers across k and each a_k is loaded once for the J
-// rows, so a multiply-add costs about one load, where a running sum in memory costs two loads and
-// a store per multiply-add (and the tap gradient one read-modify-write per token).
-constexpr int64_t kRows = 4;  // J: 4 rows × 16 float32 = 8 AVX2 accumulators, with room for a_k and b
-template <class acc_t>
-constexpr int64_t kChunk = 64 / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
-// Tokens per tile of the blocked kernels: the expansions of a tile (N·kTile·d values in the read
-// backward) stay in cache, and the K − 1 rows that the transposes reach outside it are a small part.
-constexpr int64_t kTile = 32;
-
-// One register of the blocked kernels: 8 float32 or 4 float64 (an AVX2 register), as a GCC/Clang
-// vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
-// a load and a store per multiply-add again.)
-template <class acc_t>
-struct Reg {
-  typedef acc_t type __attribute__((vector_size(32)));
-  static constexpr int64_t lanes = 32 / int64_t(sizeof(acc_t));
-};
-
-// One register's worth of p in the accumulation type (bfloat16: its bits are the high half of the float32's).
-template <class acc_t, class S>
-inline typename Reg<acc_t>::type load(const S* p) {
-  typename Reg<acc_t>::type v;
-  if constexpr (std::is_same_v<S, acc_t>) {
-    std::memcpy(&v, p, sizeof v);
-  } else if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<acc_t, float>) {
-    typedef uint16_t half_bits __attribute__((vector_size(16)));
-    typedef uint32_t bits __attribute__((vector_size(32)));
-    half_bits h;
-    std::memcpy(&h, p, sizeof h);
-    const bits w = __builtin_convertvector(h, bits) << 16;
-    std::memcpy(&v, &w, sizeof v);
-  } else {
-    for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) v[l] = acc_t(p[l]);
-  }
-  return v;
-}
-
-// One block: J rows of out (d apart) on the kChunk columns where out, a and b point.
-template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
-inline void window_block(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
-  using V = typename Reg<acc_t>::type;
-  constexpr int64_t n = Reg<acc_t>::lanes, R = kChunk<acc_t> / n;
-  V acc[J][R];
-  for (int64_t j = 0; j < J; ++j)
-    for (int64_t e = 0; e < R; ++e) acc[j][e] = add ? load<acc_t>(out + j * d + e * n) : V{};
-  for (int64_t k = 0; k < nk; ++k) {
-    V ak[R];
-    for (int64_t e = 0; e < R; ++e) ak[e] = load<acc_t>(a + k * d + e * n);
-    for (int64_t j = 0; j < J; ++j) {
-      const Bv* bj = b + (j + sigma * k) * d;
-      for (int64_t e = 0; e < R; ++e) acc[j][e] += ak[e] * load<acc_t>(bj + e * n);
-    }
-  }
-  for (int64_t j = 0; j < J; ++j)
-    for (int64_t e = 0; e < R; ++e) std::memcpy(out + j * d + e * n, &acc[j][e], sizeof(V));
-}
-
-// The same on the one column where out, a and b point (the columns left when d is not a multiple of kChunk).
-template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
-inline void window_column(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
-  for (int64_t j = 0; j < J; ++j) {
-    acc_t acc = add ? out[j * d] : acc_t(0);
-    for (int64_t k = 0; k < nk; ++k) acc += acc_t(a[k * d]) * acc_t(b[(j + sigma * k) * d]);
-    out[j * d] = acc;
-  }
-}
-
-// J rows over all of d: chunks of kChunk columns, then the columns left one by one.
-template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
-void window(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
-  constexpr int64_t W = kChunk<acc_t>;
-  int64_t i0 = 0;
-  for (; i0 + W <= d; i0 += W) window_block<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
-  for (; i0 < d; ++i0) window_column<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
-}
-
-// `rows` rows: blocks of kRows, then the rows left one by one.
-template <int64_t sigma, bool add, class acc_t, class A, class Bv>
-void window_rows(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t rows, int64_t d) {
-  int64_t j = 0;
-  for (; j + kRows <= rows; j += kRows) window<kRows, sigma, add>(out + j * d, a, b + j * d, nk, d);
-  for (; j < rows; ++j) window<1, sigma, add>(out + j * d, a, b + j * d, nk, d);
-}
-
-// `expand` for the nt tokens t0, t0 + 1, … of one batch row, into the rows of E [nt, d]; x0 points
-// at row t0. The first used − 1 tokens of a batch row reach before position 0: they go one by one.
-template <class acc_t, class scalar_t>
-void expand_tile(acc_t* E, const scalar_t* x0, const acc_t* taps, int64_t used, int64_t t0, int64_t nt, int64_t d) {
-  if (taps == nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < nt * d; ++i) E[i] = acc_t(x0[i]);
-    return;
-  }
-  int64_t j = 0;
-  for (; j < nt && t0 + j + 1 < used; ++j) expand(E + j * d, x0 + j * d, taps, used, t0 + j, d);
-  window_rows<-1, false>(E + j * d, taps, x0 + j * d, used, nt - j, d);
-}
-
-// The transpose of `expand_tile` for the tokens t0 ≤ t < t1 of one batch row: dv0 points at the ∂v
-// of token t0 in a buffer with K − 1 zero rows before and after the tile's; x0 and gx0 at row 0 of
-// the batch row (∂x in the accumulation type); gc [K, d] a per-thread partial sum. Then
-//   ∂x_s += Σ_{δ<used} c_δ ⊙ ∂v_{s+δ}   for t0 − (used − 1) ≤ s < t1, s ≥ 0 (nothing to add for
-//            the zero taps δ ≥ used),
-//   ∂c_δ += Σ_s ∂v_{s+δ} ⊙ x_s          for every δ < K (zero taps have gradients too),
-// with the zero rows standing in for ∂v outside the tile, so that neither sum has bounds inside.
-template <class acc_t, class scalar_t>
-void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_t* x0, const acc_t* taps,
-                          int64_t used, int64_t K, int64_t t0, int64_t t1, int64_t d) {
-  if (taps == nullptr) {
-#pragma omp simd
-    for (int64_t i = 0; i < (t1 - t0) * d; ++i) gx0[t0 * d + i] += dv0[i];
-    return;
-  }
-  if (used > 0) {
-    const int64_t s0 = std::max<int64_t>(0, t0 - (used - 1));
-    window_rows<+1, true>(gx0 + s0 * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
-  }
-  // Blocks of taps δ0 ≤ δ < δ0 + J (J ≤ K − δ0, so the rows read stay within the zero rows), each
-  // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0.
-  for (int64_t delta0 = 0; delta0 < K;) {
-    const bool block = delta0 + kRows <= K;
-    const int64_t J = block ? kRows : 1;
-    const int64_t s_lo = std::max<int64_t>(0, t0 - (delta0 + J - 1)), s_hi = t1 - delta0;
-    if (s_hi > s_lo) {
-      const acc_t* b = dv0 + (s_lo + delta0 - t0) * d;
-      if (block)
-        window<kRows, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
-      else
-        window<1, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
-    }
-    delta0 += J;
-  }
-}
 
 // One stream's merge with the partial's expansion v (A.8–A.10), shared by msar_fuse and its
 // backward: a = s (q_r · v) with s = 1/rms(v), λ = σ(ζ_r − a), z = λ out_r + (1 − λ) v.
@@ -225,47 +68,26 @@ template <class acc_t, class scalar_t>
 std::tuple<acc_t, acc_t, acc_t> merge_stream(acc_t* z, const scalar_t* out, const acc_t* v, const acc_t* q, acc_t lse,
                                              int64_t d, double eps) {
   const auto [ss, qv] = square_and_dot<acc_t>(v, q, d);
-  const acc_t s = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+  const acc_t s = inv_rms<acc_t>(ss, d, eps);
   const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(s * qv - lse));  // (A.8, A.9)
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) z[i] = lambda * acc_t(out[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
   return {s, qv, lambda};
 }
 
-// Runs fn(b, t0, t1) over tiles of tokens of every batch row such that no two concurrent tiles
-// touch the same token when each also writes the K − 1 tokens before it: tiles of at least K − 1
-// tokens (and kTile, the blocked kernels' tile), even tiles first, then odd ones.
-template <class Fn>
-void for_each_tile(int64_t B, int64_t T, int64_t K, const Fn& fn) {
-  const int64_t tile = std::max<int64_t>(K - 1, kTile);
-  const int64_t tiles = (T + tile - 1) / tile;
-  for (int64_t parity = 0; parity < 2; ++parity) {
-    at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t b = c / tiles, j = c % tiles;
-        if (j % 2 != parity) continue;
-        fn(b, j * tile, std::min(T, (j + 1) * tile));
-      }
-    });
+// The H_pre gate of the m merged streams z [m·d] (eq. 13), shared by msar_fuse and its backward:
+// S = 1/rms(z) over the m·d entries, y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes π and y [m]
+// and returns S (the backward needs all three).
+template <class acc_t>
+acc_t hpre_gate(acc_t* pre, acc_t* y, const acc_t* z, const acc_t* W, const acc_t* b, acc_t alpha, int64_t m,
+                int64_t d, double eps) {
+  const int64_t md = m * d;
+  const acc_t S = inv_rms<acc_t>(dot<acc_t>(z, z, md), md, eps);
+  for (int64_t j = 0; j < m; ++j) {
+    y[j] = dot<acc_t>(W + j * md, z, md);
+    pre[j] = sigmoid(alpha * S * y[j] + b[j]);
   }
-}
-
-// Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
-at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
-  return conv.to(acc).transpose(-1, -2).contiguous();
-}
-
-// Per kernel of taps [..., K, d]: 1 + the last δ with a nonzero tap (kernels shorter than K are
-// zero-padded; their padding is skipped where that is exact: expansion and ∂x, not ∂c).
-std::vector<int64_t> taps_used(const at::Tensor& taps_kd) {
-  const int64_t K = taps_kd.size(-2);
-  const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
-  const bool* nz = nonzero.const_data_ptr<bool>();
-  std::vector<int64_t> used(nonzero.size(0), 0);
-  for (int64_t k = 0; k < nonzero.size(0); ++k)
-    for (int64_t delta = 0; delta < K; ++delta)
-      if (nz[k * K + delta]) used[k] = delta + 1;
-  return used;
+  return S;
 }
 
 void check_read(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c) {
@@ -373,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
                         r == 0 ? 1 : used[bank], t0, nt, d);  // eq. 10
             for (int64_t j = 0; j < nt; ++j) {
               const auto [ss, qv] = square_and_dot<acc_t>(En + j * d, qr, d);
-              a[n * kTile + j] = qv / std::sqrt(ss / acc_t(d) + acc_t(eps));  // (A.1)
+              a[n * kTile + j] = qv * inv_rms<acc_t>(ss, d, eps);  // (A.1)
             }
           }
           for (int64_t j = 0; j < nt; ++j) {
@@ -399,11 +221,13 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tensor& grad_out_,
-                                                                  const at::Tensor& grad_lse_,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out_opt,
+                                                                  const OptTensor& grad_lse_opt,
                                                                   const at::Tensor& queries,
                                                                   const at::Tensor& sources, const at::Tensor& conv,
                                                                   const at::Tensor& lse_, double eps) {
+  const at::Tensor grad_out_ = unwrap(grad_out_opt);
+  const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
@@ -414,9 +238,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, x.options());
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({m, B, T}, lse.options());
   at::Tensor gx = at::zeros({N, B, T, d}, x.options().dtype(acc_type));
-  const int threads = at::get_num_threads();
-  at::Tensor gq_parts = at::zeros({threads, m, d}, x.options().dtype(acc_type));
-  at::Tensor gc_parts = at::zeros({threads, N, L, K, d}, x.options().dtype(acc_type));
+  const TileGroups tiles = tile_groups(B, T, K);  // one partial sum of ∂q and ∂c per group
+  at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, x.options().dtype(acc_type));
+  at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, x.options().dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -427,10 +251,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
     acc_t *gxp = gx.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
           *gc_all = gc_parts.mutable_data_ptr<acc_t>();
     const int64_t pad = K - 1;  // zero rows of ∂v before and after a tile (expand_backward_tile)
-    for_each_tile(B, T, K, [&](int64_t b, int64_t t0, int64_t t1) {
-      const int64_t thread = at::get_thread_num();
-      acc_t* gq = gq_all + thread * m * d;
-      acc_t* gc = gc_all + thread * N * L * K * d;
+    for_each_tile(tiles, T, [&](int64_t b, int64_t t0, int64_t t1, int64_t group) {
+      acc_t* gq = gq_all + group * m * d;
+      acc_t* gc = gc_all + group * N * L * K * d;
       // Per sub-tile of kTile tokens and stream r: the expansions of all sources V [N, kTile, d],
       // per (n, t) s, q·v, w, g·v and per t g·out; then per source ∂v of the tile and its transpose.
       std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), s(N * kTile), qv(N * kTile),
@@ -449,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * kTile + j;
               const auto [ss, qvn, gv] = square_and_two_dots<acc_t>(Vn + j * d, qr, gop + (r * P + p) * d, d);
-              s[k] = acc_t(1) / std::sqrt(ss / acc_t(d) + acc_t(eps));
+              s[k] = inv_rms<acc_t>(ss, d, eps);
               qv[k] = qvn;
               w[k] = std::exp(s[k] * qv[k] - lp[r * P + p]);
               gdotv[k] = gv;
@@ -490,8 +313,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
 }
 
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
-                             const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                             const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+                             const OptTensor& partial_opt, const OptTensor& partial_conv_opt,
+                             const OptTensor& w_pre_opt, const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt,
+                             double eps) {
+  const at::Tensor partial = unwrap(partial_opt);
+  const at::Tensor partial_conv = unwrap(partial_conv_opt);
+  const at::Tensor w_pre = unwrap(w_pre_opt);
+  const at::Tensor b_pre = unwrap(b_pre_opt);
+  const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
   const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
@@ -516,7 +345,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
     // (expand_tile, V [m, kTile, d]), then token by token.
     const int64_t tiles = (T + kTile - 1) / kTile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), z(m * d), pre(m), hacc(d);
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), z(m * d), pre(m), y(m), hacc(d);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
         for (int64_t r = 0; A.partial && r < m; ++r)
@@ -532,12 +361,8 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
             }
             merge_stream(z_r, o_r, V.data() + (r * kTile + p - b * T - t0) * d, qp + r * d, lp[r * P + p], d, eps);
           }
-          if (A.hpre) {  // eq. 13
-            const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), m * d) / acc_t(m * d) + acc_t(eps));
-            for (int64_t j = 0; j < m; ++j) {
-              const acc_t y = dot<acc_t>(Wp + j * m * d, z.data(), m * d);
-              pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(acc_t(alpha) * S * y + bp[j])));
-            }
+          if (A.hpre) {
+            hpre_gate(pre.data(), y.data(), z.data(), Wp, bp, acc_t(alpha), m, d, eps);  // eq. 13
           } else {
             std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
           }
@@ -555,8 +380,13 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
-                   const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                   const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+                   const OptTensor& partial_opt, const OptTensor& partial_conv_opt, const OptTensor& w_pre_opt,
+                   const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt, double eps) {
+  const at::Tensor partial = unwrap(partial_opt);
+  const at::Tensor partial_conv = unwrap(partial_conv_opt);
+  const at::Tensor w_pre = unwrap(w_pre_opt);
+  const at::Tensor b_pre = unwrap(b_pre_opt);
+  const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
   const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T, L = m - 1;
@@ -569,11 +399,11 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const double alpha = in.alpha;
   at::Tensor gout = at::empty({m, B, T, d}, acc_opts), glse = at::empty({m, B, T}, acc_opts);
   at::Tensor gx = A.partial ? at::zeros({B, T, d}, acc_opts) : at::Tensor();
-  const int threads = at::get_num_threads();
-  // Per-thread partial sums: queries [m, d], taps [m−1, K, d], W_pre [m, m d], then b_pre [m] and α [1].
+  const TileGroups tiles = tile_groups(B, T, A.partial ? K : 1);
+  // Partial sums per group of tiles: queries [m, d], taps [m−1, K, d], W_pre [m, m d], then b_pre [m] and α [1].
   const int64_t n_q = m * d, n_c = A.partial ? L * K * d : 0, n_w = A.hpre ? m * m * d : 0, n_b = A.hpre ? m + 1 : 0;
   const int64_t stride = n_q + n_c + n_w + n_b;
-  at::Tensor parts = at::zeros({threads, stride}, acc_opts);
+  at::Tensor parts = at::zeros({tiles.groups, stride}, acc_opts);
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -590,8 +420,8 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
     const acc_t al = acc_t(alpha);
     const int64_t md = m * d;
     const int64_t pad = K - 1, rows = kTile + 2 * pad;  // (K = 1 without a partial)
-    for_each_tile(B, T, A.partial ? K : 1, [&](int64_t b, int64_t t0, int64_t t1) {
-      acc_t* gq = parts_all + int64_t(at::get_thread_num()) * stride;
+    for_each_tile(tiles, T, [&](int64_t b, int64_t t0, int64_t t1, int64_t group) {
+      acc_t* gq = parts_all + group * stride;
       acc_t* gc = gq + n_q;
       acc_t* gW = gc + n_c;
       acc_t* gb = gW + n_w;  // [m], then α at gb[m]
@@ -624,11 +454,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           }
           // Fusion backward (eq. 13–14) → ∂z.
           if (A.hpre) {
-            const acc_t S = acc_t(1) / std::sqrt(dot<acc_t>(z.data(), z.data(), md) / acc_t(md) + acc_t(eps));
+            const acc_t S = hpre_gate(pre.data(), y.data(), z.data(), Wp, bp, al, m, d, eps);  // eq. 13
             acc_t uy = 0;
             for (int64_t j = 0; j < m; ++j) {
-              y[j] = dot<acc_t>(Wp + j * md, z.data(), md);
-              pre[j] = acc_t(1) / (acc_t(1) + std::exp(-(al * S * y[j] + bp[j])));
               u[j] = dot<acc_t>(g_p, z.data() + j * d, d) * pre[j] * (acc_t(1) - pre[j]);
               gb[j] += u[j];
               gb[m] += u[j] * S * y[j];

@@ -4,6 +4,8 @@
 
 #include <tuple>
 
+#include "depthkit/ops/optional_tensor.h"
+
 namespace depthkit::cpu {
 
 // queries [m, d], sources [N, B, T, d] (raw single-stream), conv [N, m−1, d, K]
@@ -11,8 +13,8 @@ namespace depthkit::cpu {
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
                                                      const at::Tensor& conv, double eps);
 // Gradients of (out, ζ) → (queries, sources, conv). Either gradient may be undefined (zero).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tensor& grad_out,
-                                                                  const at::Tensor& grad_lse,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out,
+                                                                  const OptTensor& grad_lse,
                                                                   const at::Tensor& queries,
                                                                   const at::Tensor& sources, const at::Tensor& conv,
                                                                   const at::Tensor& lse, double eps);
@@ -21,13 +23,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const at::Tens
 // with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with b_pre [m] and
 // alpha_pre [1] (all three, or none: mean fusion)  →  h [B, T, d].
 at::Tensor msar_fuse_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
-                             const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                             const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
+                             const OptTensor& partial, const OptTensor& partial_conv,
+                             const OptTensor& w_pre, const OptTensor& b_pre, const OptTensor& alpha_pre,
+                             double eps);
 // Gradients of h → (out, ζ, queries, partial, partial_conv, w_pre, b_pre, alpha_pre); undefined for
 // absent inputs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
-                   const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                   const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
+                   const OptTensor& partial, const OptTensor& partial_conv, const OptTensor& w_pre,
+                   const OptTensor& b_pre, const OptTensor& alpha_pre, double eps);
 
 }  // namespace depthkit::cpu

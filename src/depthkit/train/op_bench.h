@@ -1,7 +1,7 @@
-// `depthkit bench --ops`: each fused operator against its reference composition, forward plus
-// backward, at the tiny config's shapes and at the 0.1B shapes, timed interleaved in one process
-// (medians over repeats); and the fused read's achieved bandwidth against a plain copy measured in
-// the same run (docs/benchmarks.md).
+// `depthkit bench --ops`: each of the nine fused operators against its reference composition
+// (ops/reference/), forward plus backward, at the tiny config's shapes and at the 0.1B shapes,
+// timed interleaved in one process (medians over repeats); and the fused read's achieved
+// bandwidth against a plain copy measured in the same run (docs/benchmarks.md).
 #pragma once
 #include <cstdint>
 #include <string>

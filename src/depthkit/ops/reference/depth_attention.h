@@ -1,4 +1,5 @@
-// Depth attention, the one primitive that AttnRes, DAR and MSAR are built from (DESIGN.md):
+// Depth attention, the one primitive that AttnRes, DAR and MSAR are built from (docs/design.md,
+// "Pathways"):
 // per token, over N sources with raw keys K_r and values V_r and one pseudo-query q,
 //
 //   a_r = q · Norm_h(K_r)            Norm_h: RMSNorm without weight, eps 1e-6   (DAR eq. 2, A.1)
@@ -6,7 +7,8 @@
 //
 // and the two-phase form: the completed sources are read first (`depth_read`), then the block's
 // partial candidate is merged exactly by online softmax (`merge_partial`, eq. A.6–A.10).
-// This file is the reference composition of ATen ops (autograd gives the backward).
+// This file is a composition of ATen ops (autograd gives the backward): the primitive the
+// references of the fused operators (reference.h) and the analyses' depth_weights are built on.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -1,12 +1,12 @@
-// DAR's read and write composed of reference ATen ops (ops/dar_ops.h): what the fused operators
-// are held equal to, and what `residual.impl = "reference"` runs.
+// The references of dar_read and dar_write (reference.h): DAR eq. 10–17 composed of the
+// depth-attention primitive and ATen ops.
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
 
-#include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 
 namespace depthkit::reference {
 
@@ -27,7 +27,7 @@ fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const a
   for (int j = 0; j < 2; ++j) {  // eq. 11–12 in the two-phase form (A.1–A.10)
     const int64_t k = key_stream[j], v = value_stream[j];
     at::Tensor q = queries[j];
-    DepthRead hist = depth_read(q, *completed[k], *completed[v], eps);
+    DepthRead hist = depthkit::depth_read(q, *completed[k], *completed[v], eps);
     z[j] = p0.defined() ? merge_partial(hist, q, *partial[k], *partial[v], eps) : hist.out;
   }
   at::Tensor hbar = joint_norm(z[0], z[1], eps);                            // eq. 13

@@ -1,4 +1,4 @@
-#include "depthkit/ops/depth_attention.h"
+#include "depthkit/ops/reference/depth_attention.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>

@@ -1,4 +1,4 @@
-#include "depthkit/ops/op_bench.h"
+#include "depthkit/train/op_bench.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
@@ -13,10 +13,11 @@
 #include <functional>
 
 #include "depthkit/ops/dar_ops.h"
-#include "depthkit/ops/depth_attention.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/mhc_ops.h"
-#include "depthkit/pathways/mhc.h"
+#include "depthkit/ops/msar_ops.h"
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
@@ -26,6 +27,7 @@ namespace {
 struct Shape {
   std::string name;
   int64_t N, P, d;  // completed sources, tokens (batch · sequence), width
+  int64_t T;        // sequence length (MSAR's convolutions run along it): P = B · T
   std::string label() const { return cat(name, ": N=", N, " P=", P, " d=", d); }
 };
 
@@ -72,18 +74,20 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
   std::vector<Case> out;
   {  // AttnRes's completed read: keys = values = the sources.
     at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d});
-    out.push_back({"depth_read", {q, src},
-                   [=] { return Outputs{std::get<0>(fused::depth_read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; },
-                   [=] { return Outputs{depth_read(q, src, src).out}; },
+    auto outputs = [=](auto read) {
+      return [=] { return Outputs{std::get<0>(read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; };
+    };
+    out.push_back({"depth_read", {q, src}, outputs(fused::depth_read), outputs(reference::depth_read),
                    {cotangent({P, d})},
                    // forward: sources in, out; backward: ∂out and sources in, ∂sources out
                    F * (3 * N + 2) * P * d});
   }
   {  // The merge of the block's partial (key = value = the partial sum).
     at::Tensor o = leaf({P, d}), lse = leaf({P}), q = leaf({d}, 0.5), part = leaf({P, d});
-    out.push_back({"depth_merge", {o, lse, q, part},
-                   [=] { return Outputs{fused::depth_merge(o, lse, q, part, at::Tensor(), kKeyNormEps)}; },
-                   [=] { return Outputs{merge_partial({o, lse}, q, part, part)}; },
+    auto outputs = [=](auto merge) {
+      return [=] { return Outputs{merge(o, lse, q, part, at::Tensor(), kKeyNormEps)}; };
+    };
+    out.push_back({"depth_merge", {o, lse, q, part}, outputs(fused::depth_merge), outputs(reference::depth_merge),
                    {cotangent({P, d})},
                    // forward: out, partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
                    F * 8 * P * d});
@@ -118,14 +122,46 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    // forward: f, P⁰, P¹ in, P'⁰, P'¹; backward: ∂P'⁰, ∂P'¹, f, P⁰, P¹ in, ∂f, ∂P⁰, ∂P¹
                    F * 13 * P * d});
   }
+  {  // MSAR (m = 4 streams, kernels κ = 4, 8, 12 zero-padded to K = 12 as the pathway passes them):
+     // the read of the completed sources, expanded on the fly, and the partial's merge + H_pre fusion.
+    const int64_t m = 4, K = 12, B = P / s.T, T = s.T;
+    auto bank = [&](int64_t n) {  // [n, m − 1, d, K]: taps past each kernel's length are zero
+      at::Tensor c = at::randn({n, m - 1, d, K}, g) * 0.1;
+      c.select(1, 0).narrow(-1, 4, K - 4).zero_();
+      c.select(1, 1).narrow(-1, 8, K - 8).zero_();
+      return c.requires_grad_();
+    };
+    std::vector<at::Tensor> t = {leaf({m, d}, 0.5), leaf({N, B, T, d}), bank(N)};
+    auto read = [=](auto op) {
+      return [=] {
+        auto [o, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+        return Outputs{o, lse};
+      };
+    };
+    out.push_back({"msar_read", t, read(fused::msar_read), read(reference::msar_read),
+                   {cotangent({m, B, T, d}), cotangent({m, B, T})},
+                   // forward: sources in, the m streams' out; backward: ∂out, sources in, ∂sources
+                   F * (3 * N + 2 * m) * P * d});
+    std::vector<at::Tensor> u = {leaf({m, B, T, d}), leaf({m, B, T}), leaf({m, d}, 0.5), leaf({B, T, d}),
+                                 bank(1).squeeze(0).detach().requires_grad_(), leaf({m, m * d}, 0.02), leaf({m}),
+                                 leaf({1}, 0.5)};
+    auto fuse = [=](auto op) {
+      return [=] { return Outputs{op(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], kKeyNormEps)}; };
+    };
+    out.push_back({"msar_fuse", u, fuse(fused::msar_fuse), fuse(reference::msar_fuse), {cotangent({B, T, d})},
+                   // forward: out (m streams), partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
+                   F * (3 * m + 5) * P * d});
+  }
   {  // mHC (m = 4 streams): the pre-mix, Sinkhorn–Knopp (20 rounds) and the post + res merge.
     const int64_t m = 4, n = m * m + 2 * m;
     std::vector<at::Tensor> t = {leaf({P, m, d}), leaf({n, m * d}, 0.02), leaf({n}), leaf({3}, 0.5)};
-    auto pre = [](const std::tuple<at::Tensor, at::Tensor, at::Tensor>& r) {
-      return Outputs{std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    auto pre = [=](auto op) {
+      return [=] {
+        auto [h, post, res] = op(t[0], t[1], t[2], t[3], kKeyNormEps);
+        return Outputs{h, post, res};
+      };
     };
-    out.push_back({"mhc_pre", t, [=] { return pre(fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps)); },
-                   [=] { return pre(mhc_pre_reference(t[0], t[1], t[2], t[3])); },
+    out.push_back({"mhc_pre", t, pre(fused::mhc_pre), pre(reference::mhc_pre),
                    {cotangent({P, d}), cotangent({P, m}), cotangent({P, m, m})},
                    // forward: x in, h; backward: ∂h, x in, ∂x (the n-wide logits are small)
                    F * (3 * m + 2) * P * d,
@@ -134,12 +170,13 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                      at::Tensor u = at::mm(X, phi.t()), dx = at::mm(du, phi), dphi = at::mm(du.t(), X);
                    }});
     at::Tensor logits = leaf({P, m, m});
-    out.push_back({"mhc_sinkhorn", {logits}, [=] { return Outputs{fused::mhc_sinkhorn(logits, 20)}; },
-                   [=] { return Outputs{mhc_sinkhorn_reference(logits, 20)}; }, {cotangent({P, m, m})},
+    auto sinkhorn = [=](auto op) { return [=] { return Outputs{op(logits, 20)}; }; };
+    out.push_back({"mhc_sinkhorn", {logits}, sinkhorn(fused::mhc_sinkhorn), sinkhorn(reference::mhc_sinkhorn),
+                   {cotangent({P, m, m})},
                    F * 5 * P * m * m});  // forward: logits in, H out; backward: ∂H, logits in, ∂logits
     std::vector<at::Tensor> u = {leaf({P, m, d}), leaf({P, d}), leaf({P, m}), leaf({P, m, m})};
-    out.push_back({"mhc_merge", u, [=] { return Outputs{fused::mhc_merge(u[0], u[1], u[2], u[3])}; },
-                   [=] { return Outputs{mhc_merge_reference(u[0], u[1], u[2], u[3])}; }, {cotangent({P, m, d})},
+    auto merge = [=](auto op) { return [=] { return Outputs{op(u[0], u[1], u[2], u[3])}; }; };
+    out.push_back({"mhc_merge", u, merge(fused::mhc_merge), merge(reference::mhc_merge), {cotangent({P, m, d})},
                    // forward: x, f in, x'; backward: ∂x', x, f in, ∂x, ∂f
                    F * (5 * m + 3) * P * d});
   }
@@ -171,8 +208,8 @@ ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
 
 OpBenchReport bench_ops(const std::string& shapes, int64_t repeats) {
   std::vector<Shape> all;
-  if (shapes == "tiny" || shapes == "all") all.push_back({"tiny", 5, 16 * 256, 128});  // configs/tiny.toml, last block
-  if (shapes == "0.1b" || shapes == "all") all.push_back({"0.1b", 9, 4096, 640});      // dense-0.1b, T = 4096
+  if (shapes == "tiny" || shapes == "all") all.push_back({"tiny", 5, 16 * 256, 128, 256});  // configs/tiny.toml, last block
+  if (shapes == "0.1b" || shapes == "all") all.push_back({"0.1b", 9, 4096, 640, 4096});     // dense-0.1b, T = 4096
   if (all.empty()) fail("bench --ops: shapes must be tiny, 0.1b or all, got \"", shapes, "\"");
   auto g = at::make_generator<at::CPUGeneratorImpl>(0);
   OpBenchReport report;

@@ -1,0 +1,245 @@
+// The causal depthwise convolution of MSAR (eq. 9–10) and its two transposes, for the CPU
+// kernels of ops/cpu/msar_cpu.cpp: the windowed sums over rows of d values in register blocks,
+// the expansion of a tile of tokens and its backward, the tiling that keeps the backward's
+// scatter race-free, and the layout of the taps. Beside kernel_math.h, which it builds on.
+//
+// A stream of one source at token t is v⁽ʳ⁾_t = Σ_{δ<K, δ≤t} c_{r,δ} ⊙ x_{t−δ} (zero before t = 0,
+// per batch row); taps are kept as [K, d] per kernel (so loops over d are contiguous), zero-padded
+// to the largest kernel K, and the padding after a kernel's last nonzero tap is skipped where that
+// is exact (the expansion and ∂x; not ∂c).
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace depthkit::cpu {
+
+// Stream r of one source at token t (eq. 10): x_t points at row t of its batch row, rows t − δ lie
+// δ·d before it; taps [K, d] (nullptr: stream 0, the identity), of which the first `used` can be
+// nonzero (the rest are the zero padding of a shorter kernel: skipping them is exact).
+template <class acc_t, class scalar_t>
+void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int64_t t, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) v[i] = acc_t(x_t[i]);
+    return;
+  }
+  std::fill_n(v, d, acc_t(0));
+  const int64_t taps_used = std::min<int64_t>(used, t + 1);  // zero before position 0
+  for (int64_t delta = 0; delta < taps_used; ++delta) {
+    const scalar_t* x = x_t - delta * d;
+    const acc_t* c = taps + delta * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) v[i] += c[i] * acc_t(x[i]);
+  }
+}
+
+// The convolution and its two transposes are all windowed sums over rows of d values,
+//   out_j (+)= Σ_{k<nk} a_k ⊙ b_{j+σk}
+// (expansion: j = t, k = δ, a = taps, b = x, σ = −1; ∂x: j = s, k = δ, a = taps, b = ∂v, σ = +1;
+// ∂c: j = δ, k = s, a = x, b = ∂v, σ = +1). They run in register blocks of J rows × one chunk of
+// W values of d: the J·W sums stay in registers across k and each a_k is loaded once for the J
+// rows, so a multiply-add costs about one load, where a running sum in memory costs two loads and
+// a store per multiply-add (and the tap gradient one read-modify-write per token).
+constexpr int64_t kRows = 4;  // J: 4 rows × 16 float32 = 8 AVX2 accumulators, with room for a_k and b
+template <class acc_t>
+constexpr int64_t kChunk = 64 / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
+// Tokens per tile of the blocked kernels: the expansions of a tile (N·kTile·d values in the read
+// backward) stay in cache, and the K − 1 rows that the transposes reach outside it are a small part.
+constexpr int64_t kTile = 32;
+
+// One register of the blocked kernels: 8 float32 or 4 float64 (an AVX2 register), as a GCC/Clang
+// vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
+// a load and a store per multiply-add again.)
+template <class acc_t>
+struct Reg {
+  typedef acc_t type __attribute__((vector_size(32)));
+  static constexpr int64_t lanes = 32 / int64_t(sizeof(acc_t));
+};
+
+// One register's worth of p in the accumulation type (bfloat16: its bits are the high half of the float32's).
+template <class acc_t, class S>
+inline typename Reg<acc_t>::type load(const S* p) {
+  typename Reg<acc_t>::type v;
+  if constexpr (std::is_same_v<S, acc_t>) {
+    std::memcpy(&v, p, sizeof v);
+  } else if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<acc_t, float>) {
+    typedef uint16_t half_bits __attribute__((vector_size(16)));
+    typedef uint32_t bits __attribute__((vector_size(32)));
+    half_bits h;
+    std::memcpy(&h, p, sizeof h);
+    const bits w = __builtin_convertvector(h, bits) << 16;
+    std::memcpy(&v, &w, sizeof v);
+  } else {
+    for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) v[l] = acc_t(p[l]);
+  }
+  return v;
+}
+
+// One block: J rows of out (d apart) on the kChunk columns where out, a and b point.
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+inline void window_block(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  using V = typename Reg<acc_t>::type;
+  constexpr int64_t n = Reg<acc_t>::lanes, R = kChunk<acc_t> / n;
+  V acc[J][R];
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t e = 0; e < R; ++e) acc[j][e] = add ? load<acc_t>(out + j * d + e * n) : V{};
+  for (int64_t k = 0; k < nk; ++k) {
+    V ak[R];
+    for (int64_t e = 0; e < R; ++e) ak[e] = load<acc_t>(a + k * d + e * n);
+    for (int64_t j = 0; j < J; ++j) {
+      const Bv* bj = b + (j + sigma * k) * d;
+      for (int64_t e = 0; e < R; ++e) acc[j][e] += ak[e] * load<acc_t>(bj + e * n);
+    }
+  }
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t e = 0; e < R; ++e) std::memcpy(out + j * d + e * n, &acc[j][e], sizeof(V));
+}
+
+// The same on the one column where out, a and b point (the columns left when d is not a multiple of kChunk).
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+inline void window_column(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  for (int64_t j = 0; j < J; ++j) {
+    acc_t acc = add ? out[j * d] : acc_t(0);
+    for (int64_t k = 0; k < nk; ++k) acc += acc_t(a[k * d]) * acc_t(b[(j + sigma * k) * d]);
+    out[j * d] = acc;
+  }
+}
+
+// J rows over all of d: chunks of kChunk columns, then the columns left one by one.
+template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
+void window(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
+  constexpr int64_t W = kChunk<acc_t>;
+  int64_t i0 = 0;
+  for (; i0 + W <= d; i0 += W) window_block<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
+  for (; i0 < d; ++i0) window_column<J, sigma, add>(out + i0, a + i0, b + i0, nk, d);
+}
+
+// `rows` rows: blocks of kRows, then the rows left one by one.
+template <int64_t sigma, bool add, class acc_t, class A, class Bv>
+void window_rows(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t rows, int64_t d) {
+  int64_t j = 0;
+  for (; j + kRows <= rows; j += kRows) window<kRows, sigma, add>(out + j * d, a, b + j * d, nk, d);
+  for (; j < rows; ++j) window<1, sigma, add>(out + j * d, a, b + j * d, nk, d);
+}
+
+// `expand` for the nt tokens t0, t0 + 1, … of one batch row, into the rows of E [nt, d]; x0 points
+// at row t0. The first used − 1 tokens of a batch row reach before position 0: they go one by one.
+template <class acc_t, class scalar_t>
+void expand_tile(acc_t* E, const scalar_t* x0, const acc_t* taps, int64_t used, int64_t t0, int64_t nt, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < nt * d; ++i) E[i] = acc_t(x0[i]);
+    return;
+  }
+  int64_t j = 0;
+  for (; j < nt && t0 + j + 1 < used; ++j) expand(E + j * d, x0 + j * d, taps, used, t0 + j, d);
+  window_rows<-1, false>(E + j * d, taps, x0 + j * d, used, nt - j, d);
+}
+
+// The transpose of `expand_tile` for the tokens t0 ≤ t < t1 of one batch row: dv0 points at the ∂v
+// of token t0 in a buffer with K − 1 zero rows before and after the tile's; x0 and gx0 at row 0 of
+// the batch row (∂x in the accumulation type); gc [K, d] a partial sum of its group of tiles. Then
+//   ∂x_s += Σ_{δ<used} c_δ ⊙ ∂v_{s+δ}   for t0 − (used − 1) ≤ s < t1, s ≥ 0 (nothing to add for
+//            the zero taps δ ≥ used),
+//   ∂c_δ += Σ_s ∂v_{s+δ} ⊙ x_s          for every δ < K (zero taps have gradients too),
+// with the zero rows standing in for ∂v outside the tile, so that neither sum has bounds inside.
+template <class acc_t, class scalar_t>
+void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_t* x0, const acc_t* taps,
+                          int64_t used, int64_t K, int64_t t0, int64_t t1, int64_t d) {
+  if (taps == nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < (t1 - t0) * d; ++i) gx0[t0 * d + i] += dv0[i];
+    return;
+  }
+  if (used > 0) {
+    const int64_t s0 = std::max<int64_t>(0, t0 - (used - 1));
+    window_rows<+1, true>(gx0 + s0 * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
+  }
+  // Blocks of taps δ0 ≤ δ < δ0 + J (J ≤ K − δ0, so the rows read stay within the zero rows), each
+  // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0.
+  for (int64_t delta0 = 0; delta0 < K;) {
+    const bool block = delta0 + kRows <= K;
+    const int64_t J = block ? kRows : 1;
+    const int64_t s_lo = std::max<int64_t>(0, t0 - (delta0 + J - 1)), s_hi = t1 - delta0;
+    if (s_hi > s_lo) {
+      const acc_t* b = dv0 + (s_lo + delta0 - t0) * d;
+      if (block)
+        window<kRows, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+      else
+        window<1, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+    }
+    delta0 += J;
+  }
+}
+
+// The transposes scatter into the K − 1 tokens before a tile, and every token adds to the
+// gradients shared by all tokens (queries, taps, W_pre, ...). Tiles of at least K − 1 tokens (and
+// kTile, the blocked kernels' tile) of every batch row, numbered c = b · tiles + j, are cut into
+// groups of consecutive tiles covering about kGroupTokens tokens; each group adds to its own
+// partial sums, which are added at the end (kernel_math.h: kSumBlock, the same for the other
+// kernels). The groups depend on the shapes only, so the gradients do not depend on the number of
+// threads; a group is one task, which runs its tiles in order.
+constexpr int64_t kGroupTokens = 256;
+
+struct TileGroups {
+  int64_t tile;    // tokens per tile, ≥ K − 1 and ≥ kTile
+  int64_t tiles;   // tiles per batch row
+  int64_t count;   // B · tiles
+  int64_t per_group, groups;
+};
+
+inline TileGroups tile_groups(int64_t B, int64_t T, int64_t K) {
+  TileGroups g;
+  g.tile = std::max<int64_t>(K - 1, kTile);
+  g.tiles = (T + g.tile - 1) / g.tile;
+  g.count = B * g.tiles;
+  g.per_group = std::max<int64_t>(1, kGroupTokens / g.tile);
+  g.groups = (g.count + g.per_group - 1) / g.per_group;
+  return g;
+}
+
+// Runs fn(b, t0, t1, group) over the tiles of every batch row such that no two concurrent tiles
+// touch the same token when each also writes the K − 1 tokens before it: the even tiles of every
+// row first, then the odd ones; within a group, tiles run in order on one thread. So the order in
+// which a group's partial sums (and each token of ∂x) are added to is fixed by the shapes.
+template <class Fn>
+void for_each_tile(const TileGroups& g, int64_t T, const Fn& fn) {
+  for (int64_t parity = 0; parity < 2; ++parity) {
+    at::parallel_for(0, g.groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t group = g0; group < g1; ++group) {
+        const int64_t c1 = std::min(g.count, (group + 1) * g.per_group);
+        for (int64_t c = group * g.per_group; c < c1; ++c) {
+          const int64_t b = c / g.tiles, j = c % g.tiles;
+          if (j % 2 == parity) fn(b, j * g.tile, std::min(T, (j + 1) * g.tile), group);
+        }
+      }
+    });
+  }
+}
+
+// Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
+inline at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
+  return conv.to(acc).transpose(-1, -2).contiguous();
+}
+
+// Per kernel of taps [..., K, d]: 1 + the last δ with a nonzero tap (kernels shorter than K are
+// zero-padded; their padding is skipped where that is exact: expansion and ∂x, not ∂c).
+inline std::vector<int64_t> taps_used(const at::Tensor& taps_kd) {
+  const int64_t K = taps_kd.size(-2);
+  const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
+  const bool* nz = nonzero.const_data_ptr<bool>();
+  std::vector<int64_t> used(nonzero.size(0), 0);
+  for (int64_t k = 0; k < nonzero.size(0); ++k)
+    for (int64_t delta = 0; delta < K; ++delta)
+      if (nz[k * K + delta]) used[k] = delta + 1;
+  return used;
+}
+
+}  // namespace depthkit::cpu

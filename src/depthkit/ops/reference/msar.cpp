@@ -1,0 +1,63 @@
+// The references of msar_read and msar_fuse (reference.h): MSAR eq. 9–17 composed of grouped
+// conv1d (the expansion), the depth-attention primitive per stream and ATen ops. They hold every
+// expansion in memory (m·N·B·T·d), which the fused operators never write (docs/design.md).
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/conv1d.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
+
+#include "depthkit/ops/reference/depth_attention.h"
+#include "depthkit/ops/reference/reference.h"
+
+namespace depthkit::reference {
+
+namespace {
+// Stream r of x [B, T, d] under taps c [d, K] (c[:, δ] weighs x_{t−δ}, eq. 10).
+at::Tensor conv_stream(const at::Tensor& x, const at::Tensor& c) {
+  const int64_t T = x.size(1), d = x.size(2), K = c.size(1);
+  // conv1d correlates: out_t = Σ_j w_j x_{t−(K−1)+j} after K−1 zeros on the left, so w_j = c_{K−1−j}.
+  at::Tensor padded = at::constant_pad_nd(x.transpose(1, 2), {K - 1, 0});
+  at::Tensor y = at::conv1d(padded, c.flip({1}).unsqueeze(1), std::nullopt, at::IntArrayRef{1}, at::IntArrayRef{0},
+                            at::IntArrayRef{1}, d);
+  return y.transpose(1, 2).narrow(1, 0, T);
+}
+}  // namespace
+
+at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
+  std::vector<at::Tensor> out = {x};  // stream 0: the identity
+  for (int64_t r = 1; r <= bank.size(0); ++r) out.push_back(conv_stream(x, bank[r - 1]));
+  return at::stack(out);
+}
+
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
+                                             const at::Tensor& conv, double eps) {
+  std::vector<at::Tensor> expanded;
+  for (int64_t n = 0; n < sources.size(0); ++n) expanded.push_back(msar_expand(sources[n], conv[n]));
+  at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
+  std::vector<at::Tensor> outs, lses;
+  for (int64_t r = 0; r < queries.size(0); ++r) {  // per-stream depth attention (eq. 11–12)
+    DepthRead read = depthkit::depth_read(queries[r], E[r], E[r], eps);
+    outs.push_back(read.out);
+    lses.push_back(read.log_partition);
+  }
+  return {at::stack(outs), at::stack(lses)};
+}
+
+at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
+                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+  at::Tensor part = partial.defined() ? msar_expand(partial, partial_conv) : at::Tensor();
+  std::vector<at::Tensor> z;
+  for (int64_t r = 0; r < queries.size(0); ++r)  // phase 2 (eq. 17, A.6–A.10)
+    z.push_back(partial.defined()
+                    ? merge_partial(DepthRead{out[r], log_partition[r]}, queries[r], part[r], part[r], eps)
+                    : out[r]);
+  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
+  if (!w_pre.defined()) return Z.mean(-2);  // fusion = "mean"
+  at::Tensor pre = at::sigmoid(alpha_pre * at::linear(key_norm(Z.flatten(-2), eps), w_pre) + b_pre);  // eq. 13
+  return (pre.unsqueeze(-1) * Z).sum(-2);                                                             // eq. 14
+}
+
+}  // namespace depthkit::reference
