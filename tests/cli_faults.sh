@@ -7,12 +7,8 @@
 # --resume of a finished run (says so, changes nothing).
 #   DEPTHKIT_FAULT_KILLS  number of kill -9 (default 6); DEPTHKIT_FAULT_SEED (default 1)
 set -uo pipefail
-DK=$1
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-TMP=$(mktemp -d)
-trap 'kill -9 $(jobs -p) 2>/dev/null; rm -rf "$TMP"' EXIT
-cd "$TMP"
-fail() { echo "FAIL: $*"; exit 1; }
+source "$(dirname "$0")/lib.sh" "$@"
+trap 'kill -9 $(jobs -p) 2>/dev/null; rm -rf "$TMP"' EXIT  # no training outlives the test
 RANDOM=${DEPTHKIT_FAULT_SEED:-1}
 KILLS=${DEPTHKIT_FAULT_KILLS:-6}
 

@@ -158,7 +158,7 @@ TEST_F(RunDirectory, LatestMustNameOneCheckpoint) {
   fs::create_directories(root / "step_00000004");
   write_bytes(root / "latest", "step_00000004\r\n");  // CRLF from an editor: forgiven
   EXPECT_EQ(find_checkpoint(dir.path / "run")->filename(), "step_00000004");
-  for (const std::string bad : {std::string("step_00000004\0\n", 15), std::string("../../etc\n"), std::string(""),
+  for (const std::string& bad : {std::string("step_00000004\0\n", 15), std::string("../../etc\n"), std::string(""),
                                 std::string("step_4\nstep_5\n")}) {
     write_bytes(root / "latest", bad);
     expect_error([&] { find_checkpoint(dir.path / "run"); }, {"latest", "does not name a checkpoint"});
