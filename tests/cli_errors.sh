@@ -82,6 +82,10 @@ printf '1 2 3\n' >ok.txt
 expect_error "adir: is a directory, expected a .safetensors file" -- forward --checkpoint ck --tokens ok.txt --out adir
 [ -z "$(ls adir)" ] || { echo "FAIL: forward --out DIR left files in it"; failures=$((failures + 1)); }
 ls ./*.tmp* >/dev/null 2>&1 && { echo "FAIL: forward left a temporary file"; failures=$((failures + 1)); }
+expect_error "adir: is a directory"    -- scaling --runs adir
+expect_error "/dev/zero: not a regular file" -- scaling --runs /dev/zero
+expect_error "adir: is a directory"    -- compare --spec adir --out c0
+expect_error "/dev/zero: not a regular file" -- compare --spec /dev/zero --out c0
 mkdir -p stale/checkpoints/step_00000005
 expect_error "already has checkpoints" -- train "${T[@]}" --run-dir stale
 [ -d stale/checkpoints/step_00000005 ] && [ ! -e stale/config.toml ] || { echo "FAIL: a refused fresh run changed stale/"; failures=$((failures + 1)); }

@@ -66,6 +66,19 @@ before=$(cd whole && find . -type f -exec sha1sum {} + | sort)
 grep -q "the run is complete (step $STEPS of $STEPS)" err.txt || { cat err.txt; fail "no 'complete' message"; }
 [ "$before" = "$(cd whole && find . -type f -exec sha1sum {} + | sort)" ] || fail "--resume of a finished run changed files"
 
+# A resumed run that meets bad data before its next checkpoint puts back what it changed.
+cp -r data data3
+python3 - data3/train_000000.bin <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[1024:] = b"\xff" * (len(b) - 1024)  # every id 65535, past the vocabulary
+open(sys.argv[1], "wb").write(b)
+PY
+"$DK" train --resume --run-dir whole --set train.steps=$((STEPS + 5)) --set data.dir=data3 >/dev/null 2>err.txt \
+  && fail "a run on ids past the vocabulary trained"
+grep -q "data3/train_000000.bin: token id 65535" err.txt || { cat err.txt; fail "bad-id message"; }
+[ "$before" = "$(cd whole && find . -type f -exec sha1sum {} + | sort)" ] || fail "a failed resume changed the run's files"
+
 # Two trainings into one directory: the second is refused at once, naming the first's PID.
 "$DK" train --config "$SRC/configs/tiny.toml" "${SETS[@]}" --set train.steps=100000 --run-dir busy >/dev/null 2>&1 &
 pid=$!

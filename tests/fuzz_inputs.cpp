@@ -315,12 +315,13 @@ TEST_F(Fuzz, Configs) {
       case 3: {  // sizes past the machine: refused up front, or failing in the capped allocator
         const std::string size_key = one_of<std::string>({"model.vocab_size", "model.d_model", "model.d_ff", "model.seq_len"});
         args.insert(args.end(), {"--set", cat(size_key, "=", int64_t(1) << (20 + pick(11)))});
-        names = {"--set", size_key, "out of memory while building", "building the model:"};
+        names = {"--set", size_key, config.string(), "out of memory while building", "building the model:"};
         break;
       }
       case 0:  // a key given a hostile value with --set
         args.insert(args.end(), {"--set", key + "=" + value});
-        names = {"--set", key, "out of memory while building", "building the model:"};
+        // A combination of keys that cannot run is named by the file where the others come from.
+        names = {"--set", key, config.string(), "out of memory while building", "building the model:"};
         break;
       case 1: {  // a key given a hostile value in the file
         const std::string section = key.substr(0, key.find('.')), name = key.substr(key.find('.') + 1);
@@ -421,8 +422,9 @@ TEST_F(Fuzz, Checkpoints) {
     const bool resume = pick(3) == 0;
     const Outcome o = resume ? run_cli({"train", "--resume", "--run-dir", run.string(), "--set", "train.steps=3"}, scratch_)
                              : run_cli({"eval", "--run-dir", run.string(), "--tokens", "64"}, scratch_);
-    // A mutated config.toml may name another data directory: the message then names that value.
-    if (tally->check(o, {run.string(), "data directory"}, target.filename().string() + (resume ? " (resume)" : " (eval)")) &&
+    // A mutated config.toml may name another data directory, or a vocabulary its data's meta.json
+    // exceeds: the message then names that directory or file.
+    if (tally->check(o, {run.string(), "data directory", (base_->path / "data").string()}, target.filename().string() + (resume ? " (resume)" : " (eval)")) &&
         o.rc != 0 && snapshot(run) != before)
       ADD_FAILURE() << target << ": a failed command changed the run directory";
   }

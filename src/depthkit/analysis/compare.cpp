@@ -95,7 +95,7 @@ CompareSpec load_compare_spec(const fs::path& file, const std::vector<std::strin
   if (!fs::exists(file)) fail(file.string(), ": not found");
   toml::table root;
   try {
-    root = toml::parse_file(file.string());
+    root = toml::parse(read_file(file, 16u << 20), file.string());
   } catch (const toml::parse_error& e) {
     const auto& b = e.source().begin;
     fail(file.string(), ":", b.line, ":", b.column, ": TOML syntax error: ", e.description());

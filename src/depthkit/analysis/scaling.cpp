@@ -37,7 +37,7 @@ double parse_number(const std::string& text, const std::string& where) {
 }
 
 std::vector<ScalingPoint> read_csv(const fs::path& file) {
-  std::ifstream in(file);
+  std::istringstream in(read_file(file, 256u << 20));
   std::string line;
   if (!std::getline(in, line)) fail(file.string(), ": empty file");
   const auto header = split_csv(line);

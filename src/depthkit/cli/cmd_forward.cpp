@@ -34,13 +34,17 @@ int run_forward(const std::string& checkpoint, const std::string& tokens_path, c
   Transformer model(cfg.model, cfg.residual, at::kCPU, 0);
   model.parameters().load(ck.model.tensors, (dir / "model.safetensors").string());
 
+  // The output must fit the file system it goes to (checked before anything is created there).
+  fs::path out_dir = fs::absolute(out).parent_path();
+  while (!fs::exists(out_dir) && out_dir.has_parent_path() && out_dir != out_dir.parent_path()) out_dir = out_dir.parent_path();
+  const uintmax_t free_bytes = fs::space(out_dir).available;
+  uint64_t logit_bytes = 4;
+  for (int64_t n : {B, T, V}) __builtin_mul_overflow(logit_bytes, uint64_t(n), &logit_bytes);
+  if (logit_bytes > free_bytes)
+    fail(out, ": the logits of ", B, " x ", T, " tokens over ", V, " ids need ", logit_bytes, " bytes, and ",
+         out_dir.string(), " has ", free_bytes, " free");
   SafetensorsStreamWriter writer(out, "logits", at::kFloat, {B, T, V},
                                  {{"checkpoint", dir.string()}, {"step", std::to_string(ck.state.step)}});
-  const fs::path out_dir = fs::absolute(out).parent_path();
-  const uintmax_t free_bytes = fs::space(out_dir).available;
-  if (writer.file_bytes() > free_bytes)
-    fail(out, ": the logits of ", B, " x ", T, " tokens over ", V, " ids need ", writer.file_bytes(),
-         " bytes, and ", out_dir.string(), " has ", free_bytes, " free");
   const int64_t rows = std::max<int64_t>(1, kChunkLogitBytes / (T * V * 4));
   at::NoGradGuard no_grad;
   for (int64_t r = 0; r < B; r += rows) {

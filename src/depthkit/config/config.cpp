@@ -195,7 +195,7 @@ void validate(const Config& c, const std::string& where) {
       checked_mul(c.train.micro_batch, c.train.grad_accum, where, "train.micro_batch x train.grad_accum"),
       m.seq_len, where, "tokens per step (train.micro_batch x train.grad_accum x model.seq_len)");
   checked_mul(c.total_steps(), tokens_per_step, where,
-              "the run's token count (steps x train.micro_batch x train.grad_accum x model.seq_len)");
+              "the run's token count (train.steps x train.micro_batch x train.grad_accum x model.seq_len)");
   checked_mul(checked_mul(m.vocab_size, m.d_model, where, "the embedding (model.vocab_size x model.d_model)"), 4,
               where, "the embedding's bytes (model.vocab_size x model.d_model x 4)");
   checked_mul(checked_mul(m.d_ff, m.d_model, where, "the feed-forward matrix (model.d_ff x model.d_model)"), 12,

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/empty.h>
 
+#include <sys/resource.h>
+
 #include <filesystem>
 
 #include "depthkit/util/error.h"
@@ -29,6 +31,13 @@ TokenDataset::TokenDataset(const std::string& dir, const std::string& split, int
   }
   std::sort(paths.begin(), paths.end());
   if (paths.empty()) fail(dir, ": no ", split, " shards (*", tag, "*.bin)");
+  // Every shard stays open for the run (pread): a corpus of a thousand shards needs more
+  // descriptors than the usual soft limit of 1024, so take what the hard limit allows.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+  }
   for (const auto& p : paths) shards_.emplace_back(p);
 }
 

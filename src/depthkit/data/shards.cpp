@@ -54,7 +54,7 @@ bool pread_all(int fd, void* dst, size_t bytes, int64_t offset) {
 }  // namespace
 
 Shard::Shard(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, ": cannot open shard: ", std::strerror(errno));
   auto bad = [&](const std::string& what) {
     ::close(fd);

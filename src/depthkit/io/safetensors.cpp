@@ -12,6 +12,7 @@
 
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/json.h"
 
 namespace depthkit {
 
@@ -154,22 +155,22 @@ SafetensorsFile load_safetensors(const std::string& path) {
     if (!dt.is_string()) bad("has a dtype that is not a string");
     auto it = std::find_if(dtype_names().begin(), dtype_names().end(),
                            [&](auto& p) { return p.first == dt.get<std::string>(); });
-    if (it == dtype_names().end()) bad("has unsupported dtype ", dt.dump());
+    if (it == dtype_names().end()) bad("has unsupported dtype ", json_excerpt(dt));
     Entry e{name, it->second, {}, 0, 0};
     const auto& shape = entry["shape"];
     if (!shape.is_array()) bad("has a shape that is not an array");
     uint64_t bytes = c10::elementSize(e.dtype);
     for (const auto& d : shape) {
       if (!d.is_number_unsigned())  // nlohmann parses every non-negative integer as unsigned
-        bad("has a shape dimension ", d.dump(), " that is not a non-negative integer");
+        bad("has a shape dimension ", json_excerpt(d), " that is not a non-negative integer");
       const uint64_t n = d.get<uint64_t>();
       if (n > uint64_t(INT64_MAX) || __builtin_mul_overflow(bytes, n, &bytes))
-        bad("has a shape ", shape.dump(), " whose size overflows 64 bits");
+        bad("has a shape whose size overflows 64 bits (", n, " in dimension ", e.shape.size(), ")");
       e.shape.push_back(int64_t(n));
     }
     const auto& offs = entry["data_offsets"];
     if (!offs.is_array() || offs.size() != 2 || !offs[0].is_number_unsigned() || !offs[1].is_number_unsigned())
-      bad("data_offsets must be two non-negative integers, got ", offs.dump());
+      bad("data_offsets must be two non-negative integers, got ", json_excerpt(offs));
     e.begin = offs[0].get<uint64_t>();
     e.end = offs[1].get<uint64_t>();
     if (e.begin > e.end || e.end > data_size)

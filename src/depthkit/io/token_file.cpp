@@ -30,6 +30,9 @@ at::Tensor read_npy(const std::string& path, const std::string& bytes) {
     fail(path, ": unsupported .npy version ", major);
   }
   if (offset + header_len > bytes.size()) fail(path, ": truncated .npy header");
+  // NumPy itself refuses headers over 10,000 bytes; so does this reader (its regexes recurse per
+  // character, and a hostile megabyte-long header would overflow the stack).
+  if (header_len > 10000) fail(path, ": .npy header of ", header_len, " bytes exceeds NumPy's limit of 10000");
   const std::string header = bytes.substr(offset, header_len);
   std::smatch m;
   if (!std::regex_search(header, m, std::regex("'descr':\\s*'([^']*)'"))) fail(path, ": .npy header has no 'descr'");

@@ -11,6 +11,7 @@
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/json.h"
 
 namespace depthkit {
 
@@ -66,7 +67,12 @@ void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const A
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
   fsync_path(tmp);
   if (fs::exists(dir)) fs::remove_all(dir);
-  rename_durable(tmp, dir);
+  try {
+    rename_durable(tmp, dir);
+  } catch (...) {
+    fs::remove_all(tmp);  // the folder this call built; the previous checkpoint stays whole
+    throw;
+  }
 }
 
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
@@ -104,7 +110,8 @@ bool holds_checkpoints(const fs::path& run_dir) {
   if (!fs::is_directory(root, ec)) return false;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string n = e.path().filename().string();
-    if (n == "latest" || n.starts_with("step_")) return true;
+    // A `step_N.tmp` left by a checkpoint that never completed is not a checkpoint.
+    if (n == "latest" || (checkpoint_step(n) && e.is_directory())) return true;
   }
   return false;
 }
@@ -153,7 +160,7 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
     const nlohmann::json& v = field(parent, key, name);
     if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)) ||
         v.get<int64_t>() < 0)
-      fail(where, ": field '", name, "' must be a non-negative integer, got ", v.dump());
+      fail(where, ": field '", name, "' must be a non-negative integer, got ", json_excerpt(v));
     return v.get<int64_t>();
   };
   auto text = [&](const char* key) -> std::string {

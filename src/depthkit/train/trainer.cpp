@@ -20,6 +20,7 @@
 #include "depthkit/train/schedule.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/json.h"
 #include "depthkit/util/memory.h"
 #include "depthkit/util/progress.h"
 
@@ -78,6 +79,18 @@ void install_stop_signals() {
   std::signal(SIGTERM, on_signal);
 }
 
+namespace {
+
+// The step of the run's summary.json, or -1 when there is none (or it is unreadable).
+int64_t summary_step(const fs::path& run_dir) {
+  const fs::path path = run_dir / "summary.json";
+  if (!fs::is_regular_file(path)) return -1;
+  const nlohmann::json j = nlohmann::json::parse(read_file(path, 64u << 20), nullptr, false);
+  return j.is_object() && j.contains("step") && j["step"].is_number_integer() ? j["step"].get<int64_t>() : -1;
+}
+
+}  // namespace
+
 void check_data_meta(const Config& cfg) {
   const fs::path meta_path = fs::path(cfg.data.dir) / "meta.json";
   std::error_code ec;
@@ -88,7 +101,7 @@ void check_data_meta(const Config& cfg) {
   if (!meta.contains("vocab_size")) return;
   const nlohmann::json& v = meta["vocab_size"];
   if (!v.is_number_unsigned() || v.get<uint64_t>() > uint64_t(INT64_MAX))
-    fail(meta_path.string(), ": field 'vocab_size' must be a non-negative integer, got ", v.dump());
+    fail(meta_path.string(), ": field 'vocab_size' must be a non-negative integer, got ", json_excerpt(v));
   if (v.get<int64_t>() > cfg.model.vocab_size)
     fail(meta_path.string(), ": vocab_size ", v.get<int64_t>(), " exceeds model.vocab_size ", cfg.model.vocab_size);
 }
@@ -113,14 +126,14 @@ TrainResult train(const TrainOptions& opt) {
   TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
   auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
 
-  // One process at a time owns a run directory. A fresh run creates it; if anything below fails
-  // before training starts, a directory this call created is removed again, and an existing one
-  // is left as it was.
+  // One process at a time owns a run directory (its lock). A fresh run creates it; when this call
+  // fails on bad input before its first checkpoint, a directory it created is removed (while it
+  // still holds the lock), and in an existing one the files it changed are put back.
   if (opt.resume && !find_checkpoint(run_dir))
     fail(run_dir.string(), ": --resume given but the run has no checkpoint");
   std::error_code ec;
-  const bool created = !fs::exists(run_dir, ec);
-  if (created) fs::create_directories(run_dir);
+  if (run_dir.has_parent_path()) fs::create_directories(run_dir.parent_path());
+  const bool created = fs::create_directory(run_dir);  // true only for the call that made it
   std::optional<DirectoryLock> lock;
   std::optional<Checkpoint> ckpt;
   std::optional<Transformer> model_slot;
@@ -141,9 +154,10 @@ TrainResult train(const TrainOptions& opt) {
       if (ckpt->state.data.index > train_data.windows(T))
         fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
              train_data.windows(T), " windows of the training split");
-      if (ckpt->state.step >= total && fs::exists(run_dir / "summary.json")) {
+      if (ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step) {
         // Nothing left to train: report it and leave every file of the run as it is. (Without a
-        // summary the run died between its final checkpoint and its summary: that is finished below.)
+        // summary of this step the run died between its final checkpoint and its summary: that
+        // is finished below.)
         TrainResult done;
         done.step = ckpt->state.step;
         done.complete = true;
@@ -163,10 +177,7 @@ TrainResult train(const TrainOptions& opt) {
       restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
     }
   } catch (...) {
-    if (created) {
-      lock.reset();
-      fs::remove_all(run_dir, ec);
-    }
+    if (created && lock) fs::remove_all(run_dir, ec);
     throw;
   }
   Transformer& model = *model_slot;
@@ -175,6 +186,10 @@ TrainResult train(const TrainOptions& opt) {
   // vocabulary in a window, a shard that changed) leaves no half-made run directory behind. A run
   // that diverges keeps its directory: its metrics show how.
   bool saved = false, diverged = false;
+  const fs::path config_path = run_dir / "config.toml", metrics_path = run_dir / "metrics.jsonl";
+  std::optional<std::string> old_config, old_metrics;
+  if (fs::exists(config_path)) old_config = read_file(config_path);
+  if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
   try {
   const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
   BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
@@ -190,8 +205,9 @@ TrainResult train(const TrainOptions& opt) {
     st.data = loader.position();
     st.rng_state = capture_rng_state();
     st.config_toml = cfg.to_toml();
+    fs::path dir = save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
     saved = true;
-    return save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
+    return dir;
   };
   auto run_eval = [&](int64_t step) {
     double v = evaluate(model, val_batches);
@@ -280,7 +296,14 @@ TrainResult train(const TrainOptions& opt) {
   write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
   return result;
   } catch (...) {
-    if (created && !saved && !diverged) fs::remove_all(run_dir, ec);
+    if (!saved && !diverged) {
+      if (created) {
+        fs::remove_all(run_dir, ec);
+      } else {  // a resumed run: config.toml and metrics.jsonl as they were
+        if (old_config) write_file_atomic(config_path, *old_config);
+        if (old_metrics) write_file_atomic(metrics_path, *old_metrics);
+      }
+    }
     throw;
   }
 }

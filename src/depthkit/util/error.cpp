@@ -1,6 +1,7 @@
 #include "depthkit/util/error.h"
 
 #include <new>
+#include <utility>
 
 namespace depthkit {
 
@@ -28,6 +29,7 @@ Building::~Building() {
 std::string Building::current() { return g_building ? g_building->what_ : ""; }
 
 std::string error_line(const std::exception& e) {
+  const std::string failed_building = std::exchange(g_failed_building, "");
   std::string msg;
   const std::string what = e.what();
   const bool out_of_memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr ||
@@ -35,8 +37,7 @@ std::string error_line(const std::exception& e) {
   if (dynamic_cast<const Error*>(&e)) {
     msg = what;
   } else if (out_of_memory) {
-    const std::string building = !g_failed_building.empty() ? g_failed_building : Building::current();
-    g_failed_building.clear();
+    const std::string building = !failed_building.empty() ? failed_building : Building::current();
     std::string detail = one_line(e);
     // LibTorch: "[enforce fail at alloc_cpu.cpp:N] ... DefaultCPUAllocator: can't allocate memory:
     // you tried to allocate N bytes. Error code 12 (...)": keep the part from the allocator on.

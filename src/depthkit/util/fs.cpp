@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -25,11 +27,7 @@ void fsync_path(const fs::path& path) {
 void rename_durable(const fs::path& from, const fs::path& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
-  if (ec) {
-    std::error_code ignored;
-    fs::remove_all(from, ignored);  // never leave the temporary behind
-    fail(to.string(), ": cannot rename from ", from.string(), ": ", ec.message());
-  }
+  if (ec) fail(to.string(), ": cannot rename from ", from.string(), ": ", ec.message());
   fsync_path(to.parent_path().empty() ? fs::path(".") : to.parent_path());
 }
 
@@ -65,12 +63,18 @@ void AtomicFile::write(std::string_view bytes) {
 void AtomicFile::commit() {
   const int fd = fd_;
   fd_ = -1;
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int err = errno;
+  const int synced = ::fsync(fd), sync_err = errno;
+  const int closed = ::close(fd), close_err = errno;
+  if (synced != 0 || closed != 0) {
     ::unlink(tmp_.c_str());
-    fail(tmp_.string(), ": fsync/close failed: ", std::strerror(err));
+    fail(tmp_.string(), ": fsync/close failed: ", std::strerror(synced != 0 ? sync_err : close_err));
   }
-  rename_durable(tmp_, path_);
+  try {
+    rename_durable(tmp_, path_);
+  } catch (...) {
+    ::unlink(tmp_.c_str());  // never leave the temporary behind
+    throw;
+  }
 }
 
 void write_file_atomic(const fs::path& path, std::string_view bytes) {
@@ -103,17 +107,20 @@ std::string read_file(const fs::path& path, uintmax_t max_bytes) {
 
 namespace {
 
-// The PID holding a flock on the inode `ino`, from /proc/locks ("1: FLOCK ADVISORY WRITE <pid>
-// <maj>:<min>:<inode> 0 EOF"); 0 if none is listed.
-long flock_holder(ino_t ino) {
+// The PID holding a flock on the file `st` names, from /proc/locks ("1: FLOCK ADVISORY WRITE <pid>
+// <major>:<minor>:<inode> 0 EOF", major and minor in hex); 0 if none is listed.
+long flock_holder(const struct stat& st) {
   std::ifstream locks("/proc/locks");
   for (std::string line; std::getline(locks, line);) {
     std::istringstream in(line);
     std::string id, kind, mode, access, device;
     long pid = 0;
     if (!(in >> id >> kind >> mode >> access >> pid >> device) || kind != "FLOCK") continue;
-    const auto colon = device.rfind(':');
-    if (colon != std::string::npos && device.substr(colon + 1) == std::to_string(ino)) return pid;
+    unsigned major_id = 0, minor_id = 0;
+    unsigned long inode = 0;
+    if (std::sscanf(device.c_str(), "%x:%x:%lu", &major_id, &minor_id, &inode) == 3 && inode == st.st_ino &&
+        major_id == major(st.st_dev) && minor_id == minor(st.st_dev))
+      return pid;
   }
   return 0;
 }
@@ -130,7 +137,7 @@ DirectoryLock::DirectoryLock(const fs::path& dir) {
   ::close(fd_);
   fd_ = -1;
   if (err != EWOULDBLOCK) fail(dir.string(), ": cannot lock: ", std::strerror(err));
-  const long pid = flock_holder(st.st_ino);
+  const long pid = flock_holder(st);
   fail(dir.string(), ": in use by another run (process ", pid > 0 ? std::to_string(pid) : "unknown",
        " holds its lock); wait for it to finish or choose another --run-dir");
 }
