@@ -86,6 +86,11 @@ expect_error "adir: is a directory"    -- scaling --runs adir
 expect_error "/dev/zero: not a regular file" -- scaling --runs /dev/zero
 expect_error "adir: is a directory"    -- compare --spec adir --out c0
 expect_error "/dev/zero: not a regular file" -- compare --spec /dev/zero --out c0
+# forward streams its logits a chunk at a time; an output no disk could hold is refused up front.
+"$DK" init "${T[@]}" --set model.n_layers=1 --set model.vocab_size=65536 --out ckwide >/dev/null 2>&1
+python3 -c "import numpy as np; np.save('long.npy', np.zeros((400000, 16), dtype=np.int16))"
+expect_error "o.safetensors: the logits of 400000 x 16 tokens over 65536 ids need 1677721600000 bytes" -- forward --checkpoint ckwide --tokens long.npy --out o.safetensors
+ls o.safetensors* >/dev/null 2>&1 && { echo "FAIL: a refused forward left its output"; failures=$((failures + 1)); }
 mkdir -p stale/checkpoints/step_00000005
 expect_error "already has checkpoints" -- train "${T[@]}" --run-dir stale
 [ -d stale/checkpoints/step_00000005 ] && [ ! -e stale/config.toml ] || { echo "FAIL: a refused fresh run changed stale/"; failures=$((failures + 1)); }

@@ -305,7 +305,7 @@ std::string Fuzz::config_text_, Fuzz::npy_, Fuzz::tokens_text_;
 TEST_F(Fuzz, Configs) {
   Tally tally{"config"};
   const fs::path config = scratch_ / "config.toml", out = scratch_ / "ck";
-  for (int64_t i = 0; i < scaled(600); ++i) {
+  for (int64_t i = 0; i < scaled(480); ++i) {
     std::vector<std::string> args = {"init", "--config", config.string(), "--out", out.string()};
     // An allocation the checks let through names what it was building instead of a key.
     std::vector<std::string> names = {config.string(), "out of memory while building", "building the model:"};
@@ -342,7 +342,7 @@ TEST_F(Fuzz, Configs) {
 TEST_F(Fuzz, TokenShardsAndMeta) {
   Tally shards{"shard"}, meta{"meta.json"};
   const fs::path data = scratch_ / "data", run = scratch_ / "run";
-  for (int64_t i = 0; i < scaled(300); ++i) {
+  for (int64_t i = 0; i < scaled(240); ++i) {
     fs::remove_all(data);
     fs::copy(base_->path / "data", data, fs::copy_options::recursive);
     const bool on_meta = pick(3) == 0;
@@ -384,7 +384,7 @@ TEST_F(Fuzz, TokenShardsAndMeta) {
 TEST_F(Fuzz, Checkpoints) {
   Tally model{"model"}, optimizer{"optimizer"}, state{"state.json"}, latest{"latest"}, config{"config.toml"};
   const fs::path run = scratch_ / "run";
-  for (int64_t i = 0; i < scaled(1100); ++i) {
+  for (int64_t i = 0; i < scaled(900); ++i) {
     fs::remove_all(run);
     fs::copy(base_->path / "run", run, fs::copy_options::recursive);
     const fs::path ck = run / "checkpoints" / "step_00000002";
@@ -433,7 +433,7 @@ TEST_F(Fuzz, Checkpoints) {
 TEST_F(Fuzz, TokenFiles) {
   Tally npy{"npy"}, text{"text ids"};
   const fs::path out = scratch_ / "logits.safetensors";
-  for (int64_t i = 0; i < scaled(600); ++i) {
+  for (int64_t i = 0; i < scaled(480); ++i) {
     const bool as_npy = pick(3) != 0;
     const fs::path file = scratch_ / (as_npy ? "ids.npy" : "ids.txt");
     std::string bytes;

@@ -191,110 +191,110 @@ TrainResult train(const TrainOptions& opt) {
   if (fs::exists(config_path)) old_config = read_file(config_path);
   if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
   try {
-  const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
-  BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
-  write_file_atomic(run_dir / "config.toml", cfg.to_toml());
-  const LoggedStep logged = truncate_metrics(run_dir / "metrics.jsonl", st.step);
-  if (Progress::enabled())
-    std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s\n", run_dir.c_str(),
-                 cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(),
-                 ckpt ? cat(", resuming at step ", st.step).c_str() : "");
-  MetricsLog metrics(run_dir / "metrics.jsonl");
+    const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
+    BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
+    write_file_atomic(config_path, cfg.to_toml());
+    const LoggedStep logged = truncate_metrics(metrics_path, st.step);
+    if (Progress::enabled())
+      std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s\n", run_dir.c_str(),
+                   cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(),
+                   ckpt ? cat(", resuming at step ", st.step).c_str() : "");
+    MetricsLog metrics(metrics_path);
 
-  auto checkpoint = [&]() {
-    st.data = loader.position();
-    st.rng_state = capture_rng_state();
-    st.config_toml = cfg.to_toml();
-    fs::path dir = save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
-    saved = true;
-    return dir;
-  };
-  auto run_eval = [&](int64_t step) {
-    double v = evaluate(model, val_batches);
-    metrics.write({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
-    return v;
-  };
+    auto checkpoint = [&]() {
+      st.data = loader.position();
+      st.rng_state = capture_rng_state();
+      st.config_toml = cfg.to_toml();
+      fs::path dir = save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
+      saved = true;
+      return dir;
+    };
+    auto run_eval = [&](int64_t step) {
+      double v = evaluate(model, val_batches);
+      metrics.write({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
+      return v;
+    };
 
-  TrainResult result;
-  result.step = st.step;
-  Progress bar("train", total, "tok");
-  const int64_t tokens_per_step = cfg.tokens_per_step();
-  const auto t0 = std::chrono::steady_clock::now();
-  double last_val = -1;
-  double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
-  while (st.step < total) {
-    const auto step_start = std::chrono::steady_clock::now();
-    const double lr = learning_rate(cfg.optim, st.step, total);
-    model.parameters().zero_grad();
-    double loss_sum = 0;
-    for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
-      at::Tensor loss = model.loss(loader.next()) / double(cfg.train.grad_accum);
-      loss.backward();
-      loss_sum += loss.item<double>();
+    TrainResult result;
+    result.step = st.step;
+    Progress bar("train", total, "tok");
+    const int64_t tokens_per_step = cfg.tokens_per_step();
+    const auto t0 = std::chrono::steady_clock::now();
+    double last_val = -1;
+    double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
+    while (st.step < total) {
+      const auto step_start = std::chrono::steady_clock::now();
+      const double lr = learning_rate(cfg.optim, st.step, total);
+      model.parameters().zero_grad();
+      double loss_sum = 0;
+      for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
+        at::Tensor loss = model.loss(loader.next()) / double(cfg.train.grad_accum);
+        loss.backward();
+        loss_sum += loss.item<double>();
+      }
+      const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
+      if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
+        diverged = true;
+        auto last = find_checkpoint(run_dir);
+        fail("non-finite ", std::isfinite(loss_sum) ? "gradient norm" : "loss", " at step ", st.step + 1,
+             " (loss ", loss_sum, ", grad norm ", gnorm, "); stopping. Last good checkpoint: ",
+             last ? last->string() : "none");
+      }
+      optim.step(lr);
+      step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+      ++st.step;
+      st.tokens_seen += tokens_per_step;
+      result.losses.push_back(loss_sum);
+      result.last_loss = loss_sum;
+
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (st.step % cfg.train.log_every == 0 || st.step == total)
+        metrics.write({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
+                       {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
+      char status[96];
+      std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
+                    last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
+      bar.update(st.step, double(st.tokens_seen), status);
+
+      if (cfg.train.eval_every > 0 && st.step % cfg.train.eval_every == 0 && st.step != total)
+        last_val = run_eval(st.step);
+      const bool stop = g_stop_signal.load() != 0 || st.step == opt.stop_after;
+      if (stop || st.step == total ||
+          (cfg.train.checkpoint_every > 0 && st.step % cfg.train.checkpoint_every == 0))
+        checkpoint();
+      if (stop && st.step != total) {
+        bar.finish("interrupted");
+        std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
+        result.interrupted = true;
+        result.signal = g_stop_signal.load();
+        result.step = st.step;
+        return result;
+      }
     }
-    const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
-    if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
-      diverged = true;
-      auto last = find_checkpoint(run_dir);
-      fail("non-finite ", std::isfinite(loss_sum) ? "gradient norm" : "loss", " at step ", st.step + 1,
-           " (loss ", loss_sum, ", grad norm ", gnorm, "); stopping. Last good checkpoint: ",
-           last ? last->string() : "none");
+    // A run finished by --resume after dying past its final checkpoint reuses what it logged.
+    if (result.losses.empty() && logged.loss) result.last_loss = *logged.loss;
+    result.val_loss = result.losses.empty() && logged.val_loss ? *logged.val_loss : run_eval(st.step);
+    bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
+    result.step = st.step;
+    // Throughput and peak memory of this process (after a resume: of the resumed part only).
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double tokens_here = double(int64_t(result.losses.size()) * tokens_per_step);
+    int64_t val_tokens = 0;
+    for (const at::Tensor& b : val_batches) val_tokens += b.size(0) * (b.size(1) - 1);
+    nlohmann::json summary = {{"step", st.step},
+                              {"tokens_seen", st.tokens_seen},
+                              {"train_seconds", seconds},
+                              {"train_loss", result.last_loss},
+                              {"val_loss", result.val_loss},
+                              {"val_tokens", val_tokens},
+                              {"val_ppl", std::exp(result.val_loss)}};
+    if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
+      summary["tokens_per_s"] = tokens_here / step_seconds;
+      summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;
+      summary["peak_rss_bytes"] = peak_rss_bytes();
     }
-    optim.step(lr);
-    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    ++st.step;
-    st.tokens_seen += tokens_per_step;
-    result.losses.push_back(loss_sum);
-    result.last_loss = loss_sum;
-
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (st.step % cfg.train.log_every == 0 || st.step == total)
-      metrics.write({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
-                     {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
-    char status[96];
-    std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
-                  last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
-    bar.update(st.step, double(st.tokens_seen), status);
-
-    if (cfg.train.eval_every > 0 && st.step % cfg.train.eval_every == 0 && st.step != total)
-      last_val = run_eval(st.step);
-    const bool stop = g_stop_signal.load() != 0 || st.step == opt.stop_after;
-    if (stop || st.step == total ||
-        (cfg.train.checkpoint_every > 0 && st.step % cfg.train.checkpoint_every == 0))
-      checkpoint();
-    if (stop && st.step != total) {
-      bar.finish("interrupted");
-      std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
-      result.interrupted = true;
-      result.signal = g_stop_signal.load();
-      result.step = st.step;
-      return result;
-    }
-  }
-  // A run finished by --resume after dying past its final checkpoint reuses what it logged.
-  if (result.losses.empty() && logged.loss) result.last_loss = *logged.loss;
-  result.val_loss = result.losses.empty() && logged.val_loss ? *logged.val_loss : run_eval(st.step);
-  bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
-  result.step = st.step;
-  // Throughput and peak memory of this process (after a resume: of the resumed part only).
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double tokens_here = double(int64_t(result.losses.size()) * tokens_per_step);
-  int64_t val_tokens = 0;
-  for (const at::Tensor& b : val_batches) val_tokens += b.size(0) * (b.size(1) - 1);
-  nlohmann::json summary = {{"step", st.step},
-                            {"tokens_seen", st.tokens_seen},
-                            {"train_seconds", seconds},
-                            {"train_loss", result.last_loss},
-                            {"val_loss", result.val_loss},
-                            {"val_tokens", val_tokens},
-                            {"val_ppl", std::exp(result.val_loss)}};
-  if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
-    summary["tokens_per_s"] = tokens_here / step_seconds;
-    summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;
-    summary["peak_rss_bytes"] = peak_rss_bytes();
-  }
-  write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
-  return result;
+    write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
+    return result;
   } catch (...) {
     if (!saved && !diverged) {
       if (created) {
