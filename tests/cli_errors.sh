@@ -66,6 +66,16 @@ expect_error "collinear"               -- init --config "$SRC/configs/tiny.toml"
 T=(--config "$SRC/configs/tiny.toml")
 expect_error "beyond this machine's"   -- init "${T[@]}" --set model.vocab_size=1073741824 --set model.d_model=16384 --out big1
 expect_error "beyond this machine's"   -- init "${T[@]}" --set model.d_ff=4194304 --set model.d_model=1048576 --out big2
+python3 - <<'PY'
+import os, struct
+os.makedirs("shards", exist_ok=True)
+for split in ("train", "val"):  # llm.c token shards: 256 int32 of header, then uint16 ids
+    ids = [i % 100 for i in range(5000)]
+    with open(f"shards/{split}_000000.bin", "wb") as f:
+        f.write(struct.pack("<3i", 20240520, 1, len(ids)) + bytes(1012) + struct.pack(f"<{len(ids)}H", *ids))
+PY
+expect_error "training the model: its" -- train "${T[@]}" --set data.dir=shards --set model.vocab_size=16777216 --set model.d_model=4096 --run-dir big3
+[ -e big3 ] && { echo "FAIL: a refused train left big3 behind"; failures=$((failures + 1)); }
 [ -e big1 ] || [ -e big2 ] && { echo "FAIL: a refused init left its output"; failures=$((failures + 1)); }
 expect_error "'model.rope_theta' must be a finite number" -- params "${T[@]}" --set model.rope_theta=inf
 expect_error "overflows 64 bits"       -- params "${T[@]}" --set train.steps=0 --set train.tokens=9223372036854775807 --set train.micro_batch=1048576

@@ -5,7 +5,6 @@
 #include <ATen/ops/empty.h>
 
 #include "depthkit/util/error.h"
-#include "depthkit/util/memory.h"
 
 namespace depthkit {
 
@@ -16,18 +15,9 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
                                at::IntArrayRef shape, Init init, double scale) {
   for (const auto& p : params_)
     if (p.name == name) fail("parameter '", name, "' registered twice");
-  // Sizes are checked before anything is allocated: a config whose parameters alone exceed the
-  // machine's memory is refused with the bytes named, instead of failing inside the allocator.
   int64_t numel = 1;
   for (int64_t n : shape)
     if (n < 0 || __builtin_mul_overflow(numel, n, &numel)) fail("parameter '", name, "' has shape ", shape, ", too large");
-  if (!device_.is_meta()) {
-    if (__builtin_mul_overflow(numel, int64_t(sizeof(float)), &numel) || __builtin_add_overflow(bytes_, numel, &bytes_) ||
-        bytes_ > physical_memory_bytes())
-      fail("building the model: its parameters need more than ", bytes_, " bytes (at '", name, "', shape ", shape,
-           "), beyond this machine's ", physical_memory_bytes(), " bytes of memory; reduce model.vocab_size, "
-           "model.d_model, model.d_ff or model.n_layers");
-  }
   Building building(cat("parameter '", name, "' ", shape));
   at::Tensor t;
   if (device_.is_meta()) {

@@ -42,7 +42,6 @@ class ParameterStore {
   at::ScalarType dtype_;
   at::Generator gen_;
   std::vector<Parameter> params_;
-  int64_t bytes_ = 0;  // float32 bytes of every parameter added so far (checked against memory)
 };
 
 }  // namespace depthkit

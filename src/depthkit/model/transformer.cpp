@@ -5,12 +5,24 @@
 #include <ATen/ops/linear.h>
 
 #include "depthkit/util/error.h"
+#include "depthkit/util/memory.h"
 
 namespace depthkit {
+
+void Transformer::check_fits_in_memory(const ModelConfig& model, const ResidualConfig& residual,
+                                       int64_t bytes_per_parameter, const std::string& what) {
+  const int64_t n = Transformer(model, residual, at::kMeta, 0).count().total;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, bytes_per_parameter, &bytes) || bytes > physical_memory_bytes())
+    fail(what, ": its ", n, " parameters need ", bytes, " bytes (", bytes_per_parameter, " per parameter), beyond this machine's ",
+         physical_memory_bytes(), " bytes of memory; reduce model.vocab_size, model.d_model, model.d_ff or model.n_layers");
+}
 
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
                          uint64_t seed, at::ScalarType dtype)
     : cfg_(model), params_(device, seed, dtype) {
+  // A model whose weights alone exceed the machine's memory is refused before anything is allocated.
+  if (!device.is_meta()) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
   embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "depthkit/config/config.h"
@@ -37,6 +38,11 @@ class Transformer {
   const ModelConfig& config() const { return cfg_; }
   ResidualPathway& pathway() { return *path_; }
   ParameterCounts count() const;
+  // The parameters a model of this configuration has, counted without allocating (on the meta
+  // device), and a refusal, naming the bytes, when `bytes_per_parameter` of each (4 for the
+  // weights; 16 to train: weights, gradients, two AdamW moments) exceed the machine's memory.
+  static void check_fits_in_memory(const ModelConfig& model, const ResidualConfig& residual,
+                                   int64_t bytes_per_parameter, const std::string& what);
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
   at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d]
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers

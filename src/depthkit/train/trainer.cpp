@@ -164,6 +164,8 @@ TrainResult train(const TrainOptions& opt) {
         return done;
       }
     }
+    // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
+    Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
     TensorMemory::install();  // counts from here: the model, its optimizer state, every step
     memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
