@@ -137,7 +137,7 @@ TEST_F(RunDirectory, PruningOrdersByStepNumberAndKeepsLatest) {
   // Names past 8 digits sort before smaller steps as text: pruning must use the numbers.
   for (int64_t step : {99999998, 99999999, 100000000, 100000001}) {
     st.step = step;
-    save_checkpoint(run, model, opt, st, 2);
+    save_checkpoint(run, model, opt.state(), st, 2);
   }
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(run / "checkpoints"))
@@ -148,7 +148,7 @@ TEST_F(RunDirectory, PruningOrdersByStepNumberAndKeepsLatest) {
   // A stale folder of a higher step never takes the place of the checkpoint just written.
   fs::create_directories(run / "checkpoints" / "step_900000000");
   st.step = 100000002;
-  save_checkpoint(run, model, opt, st, 1);
+  save_checkpoint(run, model, opt.state(), st, 1);
   EXPECT_TRUE(fs::is_directory(run / "checkpoints" / "step_100000002"));
   EXPECT_EQ(find_checkpoint(run)->filename(), "step_100000002");
 }
@@ -176,7 +176,7 @@ TEST_F(RunDirectory, StateJsonFieldsAreValidated) {
   st.rng_state = capture_rng_state();
   st.config_toml = cfg.to_toml();
   const fs::path ck = dir.path / "ck";
-  write_checkpoint_dir(ck, model, opt, st);
+  write_checkpoint_dir(ck, model, opt.state(), st);
   const std::string good = read_file(ck / "state.json");
   EXPECT_EQ(load_checkpoint(ck, false).state.step, 3);
   auto with = [&](const std::function<void(nlohmann::json&)>& edit) {

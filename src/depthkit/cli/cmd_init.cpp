@@ -31,7 +31,7 @@ void add_init(CLI::App& app, Action& action) {
       TrainerState st;
       st.seed = cfg.train.seed;
       st.config_toml = cfg.to_toml();
-      write_checkpoint_dir(a->out, model, opt, st);
+      write_checkpoint_dir(a->out, model, opt.state(), st);
       std::printf("wrote %s: %s, %lld parameters\n", a->out.c_str(), cfg.residual.kind.c_str(),
                   (long long)model.count().total);
       return 0;

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
+#include "depthkit/dist/launch.h"
 #include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
@@ -17,7 +18,23 @@ struct TrainArgs {
   std::string config, run_dir;
   std::vector<std::string> sets;
   bool resume = false, json = false;
+  int64_t nproc = 0;        // > 0: launch this many local ranks (for users without torchrun)
+  int64_t stop_after = -1;  // stop with a checkpoint after this step, as if interrupted
 };
+
+// This command line without its --nproc option: what each launched rank runs.
+std::vector<std::string> rank_command_line() {
+  std::vector<std::string> in = own_command_line(), out;
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] == "--nproc") {
+      ++i;
+      continue;
+    }
+    if (in[i].starts_with("--nproc=")) continue;
+    out.push_back(in[i]);
+  }
+  return out;
+}
 
 int run_train(const TrainArgs& a) {
   TrainOptions opt;
@@ -32,9 +49,20 @@ int run_train(const TrainArgs& a) {
     opt.config = Config::load(a.config, a.sets);
     opt.run_dir = a.run_dir.empty() ? fs::path("runs") / fs::path(a.config).stem() : fs::path(a.run_dir);
   }
+  opt.stop_after = a.stop_after;
+  opt.launch = LaunchEnv::from_environment();
+  if (a.nproc > 0) {
+    if (opt.launch.world_size > 1)
+      fail("--nproc given inside a launched job (WORLD_SIZE is ", opt.launch.world_size, "): use one launcher");
+    process_group_backend(opt.config.train);  // refused once here rather than by every rank
+    // The launcher waits for its ranks; a rank that fails is noticed by the others within
+    // train.timeout_s, and any still running after that (and a margin) are ended.
+    return launch_local_ranks(a.nproc, rank_command_line(), opt.config.train.timeout_s + 30);
+  }
   install_stop_signals();
   TrainResult r = train(opt);
   if (r.interrupted) return 128 + (r.signal ? r.signal : 2);  // shell convention: 130 SIGINT, 143 SIGTERM
+  if (opt.launch.rank != 0) return 0;  // rank 0 reports for the job
   if (r.complete) {
     const int64_t total = opt.config.total_steps();
     if (a.json)
@@ -75,6 +103,10 @@ void add_train(CLI::App& app, Action& action) {
   cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<config name>)");
   cmd->add_flag("--resume", a->resume, "continue from the run's latest checkpoint");
   cmd->add_flag("--json", a->json, "print the final summary as JSON");
+  cmd->add_option("--nproc", a->nproc, "start this many ranks on this machine (c10d; or launch with torchrun)")
+      ->check(CLI::Range(int64_t(1), int64_t(1024)));
+  cmd->add_option("--stop-after", a->stop_after, "stop with a checkpoint after this step, as if interrupted")
+      ->check(CLI::Range(int64_t(1), INT64_MAX));
   cmd->callback([&action, a] { action = [a] { return run_train(*a); }; });
 }
 

@@ -69,6 +69,9 @@ std::vector<Field> fields(Config& c) {
       {"train", "log_every", &t.log_every, 1, kInf},
       {"train", "threads", &t.threads, 0, 4096},
       {"train", "device", &t.device, -kInf, kInf, {"cpu"}},
+      {"train", "backend", &t.backend, -kInf, kInf, {"auto", "gloo", "nccl"}},
+      {"train", "zero", &t.zero, 0, 1},
+      {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},
       {"optim", "lr", &o.lr, 0, 10},
       {"optim", "min_lr", &o.min_lr, 0, 10},
       {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},
@@ -283,9 +286,11 @@ std::string Config::to_toml() const {
   return os.str();
 }
 
-int64_t Config::total_steps() const {
+int64_t Config::total_steps(int64_t ranks) const {
   if (train.steps > 0) return train.steps;
-  const int64_t per_step = tokens_per_step();  // validated to fit in 64 bits
+  int64_t per_step = 0;  // one rank's is validated to fit in 64 bits; the trainer checks ranks x that
+  if (__builtin_mul_overflow(tokens_per_step(), ranks, &per_step))
+    fail("tokens per step (", ranks, " ranks x ", tokens_per_step(), ") overflow 64 bits");
   return train.tokens / per_step + (train.tokens % per_step != 0);  // ceil, without overflow
 }
 

@@ -54,8 +54,14 @@ struct TrainConfig {
   int64_t checkpoint_every = 200;
   int64_t keep_checkpoints = 2;
   int64_t log_every = 10;
-  int64_t threads = 0;  // 0: all cores
+  int64_t threads = 0;  // 0: all cores (OMP_NUM_THREADS when set; --nproc gives each rank its share)
   std::string device = "cpu";
+  // Many processes (docs/training.md): the c10d backend (auto: nccl on cuda, gloo on cpu), ZeRO
+  // stage (0: every rank keeps all AdamW state; 1: sharded across ranks), and the bound on every
+  // collective and on the rendezvous, after which a lost rank stops the job.
+  std::string backend = "auto";
+  int64_t zero = 0;
+  double timeout_s = 300;
 };
 
 struct OptimConfig {
@@ -86,8 +92,11 @@ struct Config {
   // The fully resolved configuration (every key, defaults included) as TOML.
   std::string to_toml() const;
 
-  int64_t tokens_per_step() const { return train.micro_batch * train.grad_accum * model.seq_len; }
-  int64_t total_steps() const;
+  // Over `ranks` processes, each with train.micro_batch x train.grad_accum sequences a step.
+  int64_t tokens_per_step(int64_t ranks = 1) const {
+    return ranks * train.micro_batch * train.grad_accum * model.seq_len;
+  }
+  int64_t total_steps(int64_t ranks = 1) const;
 };
 
 }  // namespace depthkit

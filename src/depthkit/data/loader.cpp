@@ -97,16 +97,17 @@ void BatchLoader::shuffle_epoch() {
   }
 }
 
-at::Tensor BatchLoader::next() {
+at::Tensor BatchLoader::next(int64_t rank, int64_t ranks) {
   at::Tensor out = at::empty({batch_, seq_len_ + 1}, at::kLong);
   int64_t* p = out.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch_; ++b) {
+  for (int64_t k = 0; k < ranks * batch_; ++k) {
     if (pos_.index == int64_t(order_.size())) {
       ++pos_.epoch;
       pos_.index = 0;
       shuffle_epoch();
     }
-    data_.read_window(order_[pos_.index++], seq_len_, p + b * (seq_len_ + 1));
+    const int64_t window = order_[pos_.index++];
+    if (k / batch_ == rank) data_.read_window(window, seq_len_, p + (k % batch_) * (seq_len_ + 1));
   }
   return out;
 }

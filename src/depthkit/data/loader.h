@@ -38,8 +38,11 @@ class BatchLoader {
  public:
   BatchLoader(const TokenDataset& data, int64_t batch, int64_t seq_len, uint64_t seed,
               LoaderPosition start = {});
-  // int64 [batch, seq_len + 1]
-  at::Tensor next();
+  // int64 [batch, seq_len + 1]: of the next `ranks` micro-batches in the global order, the
+  // `rank`-th (docs/training.md, "Many processes"). Every rank passes over the same windows and
+  // reads its own, so N ranks with accumulation A read exactly what one rank with accumulation
+  // N·A reads, and the position is the same on every rank (a checkpoint resumes on any number).
+  at::Tensor next(int64_t rank = 0, int64_t ranks = 1);
   LoaderPosition position() const { return pos_; }
 
  private:

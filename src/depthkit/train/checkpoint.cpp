@@ -51,17 +51,19 @@ void restore_rng_state(const std::string& hex, const std::string& source) {
   }
 }
 
-void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& st) {
+void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
+                          const TrainerState& st) {
   const fs::path tmp = dir.string() + ".tmp";
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   save_safetensors((tmp / "model.safetensors").string(), model.parameters().named(),
                    {{"format", "depthkit"}, {"step", std::to_string(st.step)}});
-  save_safetensors((tmp / "optimizer.safetensors").string(), opt.state());
+  save_safetensors((tmp / "optimizer.safetensors").string(), optimizer);
   nlohmann::json j = {{"step", st.step},
                       {"tokens_seen", st.tokens_seen},
                       {"data", {{"epoch", st.data.epoch}, {"index", st.data.index}}},
                       {"seed", st.seed},
+                      {"global_batch", st.global_batch},
                       {"rng_state", st.rng_state},
                       {"config", st.config_toml}};
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
@@ -75,14 +77,13 @@ void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const A
   }
 }
 
-fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
+fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
                          const TrainerState& st, int64_t keep) {
   const fs::path root = run_dir / "checkpoints";
-  char name[32];
-  std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
+  const std::string name = checkpoint_name(st.step);
   const fs::path final_dir = root / name;
-  write_checkpoint_dir(final_dir, model, opt, st);
-  write_file_atomic(root / "latest", std::string(name) + "\n");
+  write_checkpoint_dir(final_dir, model, optimizer, st);
+  write_file_atomic(root / "latest", name + "\n");
   // Keep the `keep` checkpoints of highest step number; the one `latest` names is never removed.
   std::vector<std::pair<int64_t, fs::path>> all;
   for (const auto& e : fs::directory_iterator(root)) {
@@ -92,6 +93,12 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t i = keep > 0 ? size_t(keep - 1) : 0; i < all.size(); ++i) fs::remove_all(all[i].second);
   return final_dir;
+}
+
+std::string checkpoint_name(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08lld", (long long)step);
+  return name;
 }
 
 std::optional<int64_t> checkpoint_step(const std::string& name) {
@@ -174,6 +181,7 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
   c.state.data.epoch = count(data, "epoch", "data.epoch");
   c.state.data.index = count(data, "index", "data.index");
   c.state.seed = count(j, "seed", "seed");
+  if (j.contains("global_batch")) c.state.global_batch = count(j, "global_batch", "global_batch");
   c.state.rng_state = text("rng_state");
   c.state.config_toml = text("config");
   if (!c.state.rng_state.empty()) {

@@ -12,28 +12,37 @@
 
 #include "depthkit/data/loader.h"
 #include "depthkit/io/safetensors.h"
+#include "depthkit/train/optimizer.h"
 
 namespace depthkit {
 
 namespace fs = std::filesystem;
 class Transformer;
-class AdamW;
 
 struct TrainerState {
   int64_t step = 0;  // optimizer steps completed
   int64_t tokens_seen = 0;
   LoaderPosition data;
   int64_t seed = 0;
+  // Sequences per optimizer step over all ranks (ranks x grad_accum x micro_batch); 0 in
+  // checkpoints from before it was recorded. A resume must keep it: it fixes the data order's
+  // use and every step's gradient.
+  int64_t global_batch = 0;
   std::string rng_state;  // hex of the default CPU generator's state
   std::string config_toml;
 };
 
-fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const AdamW& opt,
+// `optimizer` is AdamW::state(): the full state, whichever ranks held it, so that a checkpoint
+// does not depend on the number of ranks that wrote it.
+fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
                          const TrainerState& state, int64_t keep);
 // Writes one checkpoint folder `dir` atomically (built as dir.tmp, then renamed over dir).
-void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const AdamW& opt, const TrainerState& state);
+void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
+                          const TrainerState& state);
 // The step of a checkpoint folder's name "step_NNNNNNNN"; nullopt for any other name.
 std::optional<int64_t> checkpoint_step(const std::string& name);
+// The folder name of step's checkpoint, "step_NNNNNNNN".
+std::string checkpoint_name(int64_t step);
 // Whether run_dir/checkpoints holds any checkpoint folder or a `latest` file.
 bool holds_checkpoints(const fs::path& run_dir);
 // A checkpoint folder, or a run directory (its latest checkpoint).

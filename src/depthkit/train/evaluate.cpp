@@ -6,16 +6,21 @@
 
 namespace depthkit {
 
-double evaluate(Transformer& model, const std::vector<at::Tensor>& batches) {
+LossSum evaluate_share(Transformer& model, const std::vector<at::Tensor>& batches, int64_t rank, int64_t ranks) {
   at::NoGradGuard no_grad;
-  double sum = 0;
-  int64_t n = 0;
-  for (const auto& b : batches) {
+  LossSum sum;
+  for (size_t i = size_t(rank); i < batches.size(); i += size_t(ranks)) {
+    const at::Tensor& b = batches[i];
     const int64_t tokens = b.size(0) * (b.size(1) - 1);
-    sum += model.loss(b).item<double>() * double(tokens);
-    n += tokens;
+    sum.loss += model.loss(b.to(model.parameters().device())).item<double>() * double(tokens);
+    sum.tokens += tokens;
   }
-  return n ? sum / double(n) : 0.0;
+  return sum;
+}
+
+double evaluate(Transformer& model, const std::vector<at::Tensor>& batches) {
+  const LossSum sum = evaluate_share(model, batches, 0, 1);
+  return sum.tokens ? sum.loss / double(sum.tokens) : 0.0;
 }
 
 }  // namespace depthkit

@@ -5,8 +5,10 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "depthkit/model/parameters.h"
@@ -14,13 +16,33 @@
 
 namespace depthkit {
 
-AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg) : params_(params), cfg_(cfg) {
-  for (const auto& p : params_.all()) {
-    Building building(cat("the AdamW moments of '", p.name, "' ", p.tensor.sizes()));
-    exp_avg_.push_back(at::zeros_like(p.tensor).detach());
-    exp_avg_sq_.push_back(at::zeros_like(p.tensor).detach());
-  }
+ParameterShard ParameterShard::of(int64_t total, int64_t rank, int64_t ranks) {
+  ParameterShard s;
+  s.chunk = (total + ranks - 1) / ranks;
+  s.begin = std::min(total, rank * s.chunk);
+  s.end = std::min(total, s.begin + s.chunk);
+  return s;
 }
+
+AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard)
+    : params_(params), cfg_(cfg) {
+  const auto& ps = params_.all();
+  for (const auto& p : ps) total_ += p.tensor.numel();
+  shard_ = shard ? *shard : ParameterShard::of(total_, 0, 1);
+  int64_t start = 0;  // of parameter i in the concatenation
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const int64_t n = ps[i].tensor.numel();
+    const int64_t lo = std::max(start, shard_.begin), hi = std::min(start + n, shard_.end);
+    if (lo < hi) slices_.push_back({i, lo - start, hi - lo, lo - shard_.begin});
+    start += n;
+  }
+  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front().tensor.options();
+  Building building(cat("the AdamW moments of ", shard_.chunk, " parameters (", 2 * shard_.chunk, " values)"));
+  exp_avg_ = at::zeros({shard_.chunk}, options.requires_grad(false));
+  exp_avg_sq_ = at::zeros({shard_.chunk}, options.requires_grad(false));
+}
+
+int64_t AdamW::state_bytes() const { return 2 * exp_avg_.numel() * int64_t(exp_avg_.element_size()); }
 
 void AdamW::step(double lr) {
   at::NoGradGuard no_grad;
@@ -28,30 +50,61 @@ void AdamW::step(double lr) {
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(step_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, double(step_));
   const auto& ps = params_.all();
-  for (size_t i = 0; i < ps.size(); ++i) {
-    at::Tensor p = ps[i].tensor;
-    const at::Tensor& g = p.grad();
+  for (const Slice& s : slices_) {
+    const at::Tensor& whole = ps[s.param].tensor;
+    const at::Tensor& g = whole.grad();
     if (!g.defined()) continue;
-    if (ps[i].decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
-    exp_avg_[i].lerp_(g, 1.0 - cfg_.beta1);
-    exp_avg_sq_[i].mul_(cfg_.beta2).addcmul_(g, g, 1.0 - cfg_.beta2);
-    at::Tensor denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
-    p.addcdiv_(exp_avg_[i], denom, -lr / bc1);
+    at::Tensor p = whole.view(-1).narrow(0, s.offset, s.length);
+    const at::Tensor grad = g.reshape(-1).narrow(0, s.offset, s.length);
+    at::Tensor m = exp_avg_.narrow(0, s.flat, s.length), v = exp_avg_sq_.narrow(0, s.flat, s.length);
+    if (ps[s.param].decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
+    m.lerp_(grad, 1.0 - cfg_.beta1);
+    v.mul_(cfg_.beta2).addcmul_(grad, grad, 1.0 - cfg_.beta2);
+    at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
+    p.addcdiv_(m, denom, -lr / bc1);
   }
 }
 
-std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
-  std::vector<std::pair<std::string, at::Tensor>> out;
+at::Tensor AdamW::shard_of_parameters() const {
+  at::Tensor out = at::zeros_like(exp_avg_);
   const auto& ps = params_.all();
-  for (size_t i = 0; i < ps.size(); ++i) {
-    out.emplace_back("exp_avg." + ps[i].name, exp_avg_[i]);
-    out.emplace_back("exp_avg_sq." + ps[i].name, exp_avg_sq_[i]);
+  for (const Slice& s : slices_)
+    out.narrow(0, s.flat, s.length).copy_(ps[s.param].tensor.detach().view(-1).narrow(0, s.offset, s.length));
+  return out;
+}
+
+void AdamW::set_parameters(const at::Tensor& all_shards) const {
+  at::NoGradGuard no_grad;
+  int64_t start = 0;
+  for (const auto& p : params_.all()) {
+    const int64_t n = p.tensor.numel();
+    p.tensor.view(-1).copy_(all_shards.narrow(0, start, n));
+    start += n;
+  }
+}
+
+NamedTensors AdamW::state() const {
+  if (shard_.begin != 0 || shard_.end != total_)
+    fail("AdamW::state: this optimizer holds elements [", shard_.begin, ", ", shard_.end, ") of ", total_,
+         "; gather every rank's moments first");
+  return state(exp_avg_, exp_avg_sq_);
+}
+
+NamedTensors AdamW::state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const {
+  NamedTensors out;
+  int64_t start = 0;
+  for (const auto& p : params_.all()) {
+    const int64_t n = p.tensor.numel();
+    out.emplace_back("exp_avg." + p.name, exp_avg_all.narrow(0, start, n).view(p.tensor.sizes()));
+    out.emplace_back("exp_avg_sq." + p.name, exp_avg_sq_all.narrow(0, start, n).view(p.tensor.sizes()));
+    start += n;
   }
   out.emplace_back("step", at::scalar_tensor(step_, at::kLong));
   return out;
 }
 
 void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
+  const auto& ps = params_.all();
   auto get = [&](const std::string& name, const at::Tensor& like) {
     auto it = tensors.find(name);
     if (it == tensors.end()) fail(source, ": missing optimizer tensor '", name, "'");
@@ -59,13 +112,18 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const s
       fail(source, ": optimizer tensor '", name, "' has shape ", it->second.sizes(), ", expected ", like.sizes());
     return it->second;
   };
-  const auto& ps = params_.all();
   if (tensors.size() != 2 * ps.size() + 1)
     fail(source, ": holds ", tensors.size(), " optimizer tensors, this model needs ", 2 * ps.size() + 1);
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < ps.size(); ++i) {
-    exp_avg_[i].copy_(get("exp_avg." + ps[i].name, exp_avg_[i]));
-    exp_avg_sq_[i].copy_(get("exp_avg_sq." + ps[i].name, exp_avg_sq_[i]));
+  for (const auto& p : ps) {  // every tensor is checked, whichever shard this rank takes
+    get("exp_avg." + p.name, p.tensor);
+    get("exp_avg_sq." + p.name, p.tensor);
+  }
+  for (const Slice& s : slices_) {
+    const std::string& name = ps[s.param].name;
+    exp_avg_.narrow(0, s.flat, s.length).copy_(tensors.at("exp_avg." + name).reshape(-1).narrow(0, s.offset, s.length));
+    exp_avg_sq_.narrow(0, s.flat, s.length)
+        .copy_(tensors.at("exp_avg_sq." + name).reshape(-1).narrow(0, s.offset, s.length));
   }
   step_ = get("step", at::scalar_tensor(0, at::kLong)).item<int64_t>();
 }

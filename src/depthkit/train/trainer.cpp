@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <atomic>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
+#include "depthkit/dist/world.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/evaluate.h"
@@ -112,65 +114,113 @@ Config load_run_config(const fs::path& run_dir, const std::vector<std::string>& 
   return Config::load(p.string(), overrides);
 }
 
-TrainResult train(const TrainOptions& opt) {
+std::string process_group_backend(const TrainConfig& train) {
+  if (train.backend == "auto") return train.device == "cuda" ? "nccl" : "gloo";
+  if (train.backend == "nccl" && train.device != "cuda")
+    fail("train.backend = \"nccl\" needs train.device = \"cuda\" (NCCL moves CUDA tensors only); use \"gloo\" or \"auto\"");
+  return train.backend;
+}
+
+namespace {
+
+// One rank's part of the job (all of it in a job of one).
+TrainResult train_rank(const TrainOptions& opt, World& world) {
   Config cfg = opt.config;
   const fs::path& run_dir = opt.run_dir;
+  const bool root = world.root();
+  const int64_t ranks = world.size();
+  if (!root) Progress::set_enabled(false);  // rank 0 speaks for the job
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
-  // Open and check everything that can fail on bad input before anything is written.
-  const int64_t total = cfg.total_steps();
+  // Open and check everything that can fail on bad input before anything is written. Every rank
+  // checks for itself (each reads the same files), so each fails alike.
+  const int64_t total = cfg.total_steps(ranks);
   const int64_t T = cfg.model.seq_len;
+  const int64_t global_batch = ranks * cfg.train.grad_accum * cfg.train.micro_batch;
   if (!opt.resume && holds_checkpoints(run_dir))  // checked again under the run directory's lock
     fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
   check_data_meta(cfg);
   TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
   TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
   auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
-
-  // One process at a time owns a run directory (its lock). A fresh run creates it; when this call
-  // fails on bad input before its first checkpoint, a directory it created is removed (while it
-  // still holds the lock), and in an existing one the files it changed are put back.
   if (opt.resume && !find_checkpoint(run_dir))
     fail(run_dir.string(), ": --resume given but the run has no checkpoint");
+
+  // One process at a time owns a run directory (its lock): rank 0. A fresh run creates it; when
+  // this call fails on bad input before its first checkpoint, a directory it created is removed
+  // (while it still holds the lock), and in an existing one the files it changed are put back.
   std::error_code ec;
-  if (run_dir.has_parent_path()) fs::create_directories(run_dir.parent_path());
-  const bool created = fs::create_directory(run_dir);  // true only for the call that made it
+  bool created = false;
   std::optional<DirectoryLock> lock;
   std::optional<Checkpoint> ckpt;
+  bool complete = false;
+  std::exception_ptr error;
+  if (root) {
+    try {
+      if (run_dir.has_parent_path()) fs::create_directories(run_dir.parent_path());
+      created = fs::create_directory(run_dir);  // true only for the call that made it
+      lock.emplace(run_dir);
+      if (opt.resume) {
+        ckpt = load_checkpoint(*find_checkpoint(run_dir), true);  // under the lock: the current latest
+      } else if (holds_checkpoints(run_dir)) {
+        fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+      }
+      if (ckpt) {
+        const std::string state_path = (ckpt->dir / "state.json").string();
+        if (ckpt->state.seed != cfg.train.seed)
+          fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", ckpt->state.seed);
+        if (ckpt->state.data.index > train_data.windows(T))
+          fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
+               train_data.windows(T), " windows of the training split");
+        const int64_t saved_batch = ckpt->state.global_batch;
+        if (saved_batch != 0 && saved_batch != global_batch) {
+          const int64_t per_rank = ranks * cfg.train.micro_batch;
+          fail(state_path, ": the run was trained with a global batch of ", saved_batch, " sequences a step; ", ranks,
+               " ranks x train.grad_accum ", cfg.train.grad_accum, " x train.micro_batch ", cfg.train.micro_batch,
+               " make ", global_batch,
+               saved_batch % per_rank == 0 ? cat(" (resume it with --set train.grad_accum=", saved_batch / per_rank, ")")
+                                           : std::string(" (keep the product of the three)"));
+        }
+        // Nothing left to train: report it and leave every file of the run as it is. (Without a
+        // summary of this step the run died between its final checkpoint and its summary: that
+        // is finished below.)
+        complete = ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step;
+      }
+    } catch (...) {
+      if (created && lock) fs::remove_all(run_dir, ec);
+      error = std::current_exception();
+    }
+  }
+  world.agree(!error, "start-up");
+  if (error) std::rethrow_exception(error);
+  // Every rank resumes from the checkpoint rank 0 chose under the lock.
+  at::Tensor chosen = at::empty({2}, at::kLong);
+  chosen.data_ptr<int64_t>()[0] = ckpt ? ckpt->state.step : -1;
+  chosen.data_ptr<int64_t>()[1] = complete;
+  world.broadcast(chosen);
+  const int64_t resume_step = chosen.data_ptr<int64_t>()[0];
+  if (chosen.data_ptr<int64_t>()[1]) {
+    TrainResult done;
+    done.step = resume_step;
+    done.complete = true;
+    return done;
+  }
+
   std::optional<Transformer> model_slot;
   std::optional<AdamW> optim_slot;
   TrainerState st;
   int64_t memory_base = 0;
+  const at::Device device = at::kCPU;
   try {
-    lock.emplace(run_dir);
-    if (opt.resume) {
-      ckpt = load_checkpoint(*find_checkpoint(run_dir), true);  // under the lock: the current latest
-    } else if (holds_checkpoints(run_dir)) {
-      fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
-    }
-    if (ckpt) {
-      const std::string state_path = (ckpt->dir / "state.json").string();
-      if (ckpt->state.seed != cfg.train.seed)
-        fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", ckpt->state.seed);
-      if (ckpt->state.data.index > train_data.windows(T))
-        fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
-             train_data.windows(T), " windows of the training split");
-      if (ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step) {
-        // Nothing left to train: report it and leave every file of the run as it is. (Without a
-        // summary of this step the run died between its final checkpoint and its summary: that
-        // is finished below.)
-        TrainResult done;
-        done.step = ckpt->state.step;
-        done.complete = true;
-        return done;
-      }
-    }
+    if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
     // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
     Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
     TensorMemory::install();  // counts from here: the model, its optimizer state, every step
     memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
-    model_slot.emplace(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
-    optim_slot.emplace(model_slot->parameters(), cfg.optim);
+    model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed));
+    const int64_t n_params = model_slot->parameters().count();
+    optim_slot.emplace(model_slot->parameters(), cfg.optim,
+                       cfg.train.zero ? ParameterShard::of(n_params, world.rank(), ranks) : ParameterShard::of(n_params, 0, 1));
     st.seed = cfg.train.seed;
     if (ckpt) {
       model_slot->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
@@ -179,61 +229,112 @@ TrainResult train(const TrainOptions& opt) {
       restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
     }
   } catch (...) {
+    error = std::current_exception();
+  }
+  world.agree(!error, "start-up");
+  if (error) {
     if (created && lock) fs::remove_all(run_dir, ec);
-    throw;
+    std::rethrow_exception(error);
   }
   Transformer& model = *model_slot;
   AdamW& optim = *optim_slot;
+  // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
+  for (const auto& p : model.parameters().all()) {
+    at::Tensor data = p.tensor.detach();
+    world.broadcast(data);
+  }
+  std::vector<at::Tensor> param_tensors;
+  for (const auto& p : model.parameters().all()) param_tensors.push_back(p.tensor);
+  const std::unique_ptr<GradientReducer> reducer = world.gradient_reducer(param_tensors);
+  const bool sharded = cfg.train.zero && ranks > 1;
+
   // A fresh run that fails on bad input before its first checkpoint (a token id past the
   // vocabulary in a window, a shard that changed) leaves no half-made run directory behind. A run
   // that diverges keeps its directory: its metrics show how.
   bool saved = false, diverged = false;
   const fs::path config_path = run_dir / "config.toml", metrics_path = run_dir / "metrics.jsonl";
   std::optional<std::string> old_config, old_metrics;
-  if (fs::exists(config_path)) old_config = read_file(config_path);
-  if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
+  if (root && fs::exists(config_path)) old_config = read_file(config_path);
+  if (root && fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
   try {
     const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
     BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
-    write_file_atomic(config_path, cfg.to_toml());
-    const LoggedStep logged = truncate_metrics(metrics_path, st.step);
-    if (Progress::enabled())
-      std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s\n", run_dir.c_str(),
-                   cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(),
+    LoggedStep logged;
+    std::optional<MetricsLog> metrics;
+    if (root) {
+      write_file_atomic(config_path, cfg.to_toml());
+      logged = truncate_metrics(metrics_path, st.step);
+      metrics.emplace(metrics_path);
+    }
+    if (Progress::enabled()) {
+      std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s%s\n", run_dir.c_str(),
+                   cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(ranks),
+                   ranks > 1 ? cat(" on ", ranks, " ranks (", process_group_backend(cfg.train), ")").c_str() : "",
                    ckpt ? cat(", resuming at step ", st.step).c_str() : "");
-    MetricsLog metrics(metrics_path);
+      if (cfg.train.zero)
+        std::fprintf(stderr, "ZeRO-1: AdamW state of %lld of %lld parameters per rank, %lld bytes\n",
+                     (long long)(optim.shard().end - optim.shard().begin), (long long)optim.total_elements(),
+                     (long long)optim.state_bytes());
+    }
+    auto log = [&](const nlohmann::json& j) {
+      if (metrics) metrics->write(j);
+    };
 
+    // The optimizer's full state for a checkpoint: gathered from every rank's shard under ZeRO-1.
+    auto optimizer_state = [&]() {
+      if (!sharded) return optim.state();
+      return optim.state(world.all_gather(optim.exp_avg()), world.all_gather(optim.exp_avg_sq()));
+    };
     auto checkpoint = [&]() {
       st.data = loader.position();
       st.rng_state = capture_rng_state();
       st.config_toml = cfg.to_toml();
-      fs::path dir = save_checkpoint(run_dir, model, optim, st, cfg.train.keep_checkpoints);
+      st.global_batch = global_batch;
+      const NamedTensors optimizer = optimizer_state();  // collective: every rank takes part
+      if (root) save_checkpoint(run_dir, model, optimizer, st, cfg.train.keep_checkpoints);
       saved = true;
-      return dir;
     };
     auto run_eval = [&](int64_t step) {
-      double v = evaluate(model, val_batches);
-      metrics.write({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
+      const LossSum share = evaluate_share(model, val_batches, world.rank(), ranks);
+      at::Tensor sum = at::empty({2}, at::kDouble);
+      sum.data_ptr<double>()[0] = share.loss;
+      sum.data_ptr<double>()[1] = double(share.tokens);
+      world.all_reduce_sum(sum);
+      const double v = sum.data_ptr<double>()[0] / sum.data_ptr<double>()[1];
+      log({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
       return v;
     };
 
     TrainResult result;
     result.step = st.step;
     Progress bar("train", total, "tok");
-    const int64_t tokens_per_step = cfg.tokens_per_step();
+    const int64_t tokens_per_step = cfg.tokens_per_step(ranks);
     const auto t0 = std::chrono::steady_clock::now();
     double last_val = -1;
     double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
     while (st.step < total) {
+      world.set_step(st.step);
       const auto step_start = std::chrono::steady_clock::now();
       const double lr = learning_rate(cfg.optim, st.step, total);
       model.parameters().zero_grad();
       double loss_sum = 0;
       for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
-        at::Tensor loss = model.loss(loader.next()) / double(cfg.train.grad_accum);
+        // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
+        const at::Tensor batch = loader.next(world.rank(), ranks).to(device);
+        reducer->begin_micro_step(m == cfg.train.grad_accum - 1);
+        at::Tensor loss = model.loss(batch) / double(cfg.train.grad_accum);
+        reducer->before_backward();
         loss.backward();
         loss_sum += loss.item<double>();
       }
+      // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
+      // the ranks at different steps; they stop together).
+      at::Tensor shared = at::empty({2}, at::kDouble);
+      shared.data_ptr<double>()[0] = loss_sum;
+      shared.data_ptr<double>()[1] = g_stop_signal.load() != 0 ? 1.0 : 0.0;
+      world.all_reduce_sum(shared);
+      loss_sum = shared.data_ptr<double>()[0] / double(ranks);
+      const bool signalled = shared.data_ptr<double>()[1] > 0;
       const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
       if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
         diverged = true;
@@ -243,6 +344,7 @@ TrainResult train(const TrainOptions& opt) {
              last ? last->string() : "none");
       }
       optim.step(lr);
+      if (sharded) optim.set_parameters(world.all_gather(optim.shard_of_parameters()));  // ZeRO-1
       step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
       ++st.step;
       st.tokens_seen += tokens_per_step;
@@ -251,8 +353,8 @@ TrainResult train(const TrainOptions& opt) {
 
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (st.step % cfg.train.log_every == 0 || st.step == total)
-        metrics.write({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
-                       {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
+        log({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
+             {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
       char status[96];
       std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
                     last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
@@ -260,25 +362,31 @@ TrainResult train(const TrainOptions& opt) {
 
       if (cfg.train.eval_every > 0 && st.step % cfg.train.eval_every == 0 && st.step != total)
         last_val = run_eval(st.step);
-      const bool stop = g_stop_signal.load() != 0 || st.step == opt.stop_after;
+      const bool stop = signalled || st.step == opt.stop_after;
       if (stop || st.step == total ||
           (cfg.train.checkpoint_every > 0 && st.step % cfg.train.checkpoint_every == 0))
         checkpoint();
       if (stop && st.step != total) {
         bar.finish("interrupted");
-        std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
+        if (root)
+          std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
         result.interrupted = true;
-        result.signal = g_stop_signal.load();
+        result.signal = g_stop_signal.load() ? g_stop_signal.load() : (signalled ? SIGINT : 0);
         result.step = st.step;
         return result;
       }
     }
-    // A run finished by --resume after dying past its final checkpoint reuses what it logged.
+    // A run finished by --resume after dying past its final checkpoint reuses what it logged
+    // (rank 0 read it; the others only need to take part in the evaluation when there is one).
+    at::Tensor reuse = at::empty({1}, at::kLong);
+    reuse.data_ptr<int64_t>()[0] = result.losses.empty() && logged.val_loss ? 1 : 0;
+    world.broadcast(reuse);
     if (result.losses.empty() && logged.loss) result.last_loss = *logged.loss;
-    result.val_loss = result.losses.empty() && logged.val_loss ? *logged.val_loss : run_eval(st.step);
+    result.val_loss = reuse.data_ptr<int64_t>()[0] ? logged.val_loss.value_or(-1) : run_eval(st.step);
     bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
     result.step = st.step;
-    // Throughput and peak memory of this process (after a resume: of the resumed part only).
+    if (!root) return result;
+    // Throughput of the job and peak memory of this process (after a resume: of the resumed part only).
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tokens_here = double(int64_t(result.losses.size()) * tokens_per_step);
     int64_t val_tokens = 0;
@@ -289,7 +397,11 @@ TrainResult train(const TrainOptions& opt) {
                               {"train_loss", result.last_loss},
                               {"val_loss", result.val_loss},
                               {"val_tokens", val_tokens},
-                              {"val_ppl", std::exp(result.val_loss)}};
+                              {"val_ppl", std::exp(result.val_loss)},
+                              {"world_size", ranks},
+                              {"global_batch", global_batch},
+                              {"zero", cfg.train.zero},
+                              {"optimizer_state_bytes_per_rank", optim.state_bytes()}};
     if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
       summary["tokens_per_s"] = tokens_here / step_seconds;
       summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;
@@ -298,7 +410,7 @@ TrainResult train(const TrainOptions& opt) {
     write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
     return result;
   } catch (...) {
-    if (!saved && !diverged) {
+    if (root && !saved && !diverged) {
       if (created) {
         fs::remove_all(run_dir, ec);
       } else {  // a resumed run: config.toml and metrics.jsonl as they were
@@ -307,6 +419,22 @@ TrainResult train(const TrainOptions& opt) {
       }
     }
     throw;
+  }
+}
+
+}  // namespace
+
+TrainResult train(const TrainOptions& opt) {
+  const LaunchEnv& launch = opt.launch;
+  if (launch.world_size == 1) {
+    World one;
+    return train_rank(opt, one);
+  }
+  World world(launch, process_group_backend(opt.config.train), opt.config.train.timeout_s);
+  try {
+    return train_rank(opt, world);
+  } catch (...) {
+    world.fail_job(std::current_exception());
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "depthkit/config/config.h"
+#include "depthkit/dist/world.h"
 
 namespace depthkit {
 
@@ -16,6 +17,8 @@ struct TrainOptions {
   std::filesystem::path run_dir;
   bool resume = false;
   int64_t stop_after = -1;  // stop (with a checkpoint) after this many steps, as if interrupted
+  // This process's place in a job of many (torchrun's variables; default: a job of one).
+  LaunchEnv launch;
 };
 
 struct TrainResult {
@@ -28,7 +31,13 @@ struct TrainResult {
   std::vector<double> losses;  // training loss of every step run in this call
 };
 
+// Trains as rank launch.rank of launch.world_size (docs/training.md, "Many processes"): every
+// rank runs this with the same options; rank 0 alone owns the run directory (its lock, config,
+// metrics, checkpoints, summary) and prints progress.
 TrainResult train(const TrainOptions& opt);
+
+// The c10d backend train.backend names on train.device ("auto": nccl on cuda, gloo on cpu).
+std::string process_group_backend(const TrainConfig& train);
 
 // Checks the data directory's meta.json, when there is one, against the model (vocab_size).
 void check_data_meta(const Config& cfg);

@@ -1,0 +1,28 @@
+// ProcessGroupNCCL for CUDA tensors: compiled only when the build has CUDA (DEPTHKIT_CUDA), with
+// NCCL's header from the nvidia-nccl wheel that torch depends on; dist/world.cpp calls it.
+#ifdef DEPTHKIT_WITH_NCCL
+#define USE_C10D_NCCL 1
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#else
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#endif
+
+#include <chrono>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, std::chrono::milliseconds timeout) {
+#ifdef DEPTHKIT_WITH_NCCL
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+  fail("train.backend = \"nccl\": this build of depthkit has no CUDA (build it where nvcc is found: scripts/setup)");
+#endif
+}
+
+}  // namespace depthkit

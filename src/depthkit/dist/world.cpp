@@ -1,0 +1,347 @@
+#include "depthkit/dist/world.h"
+
+// ProcessGroupGloo is declared only when USE_C10D_GLOO is defined (as LibTorch itself was built);
+// Gloo's own headers come from Debian's libgloo-dev (scripts/setup).
+#define USE_C10D_GLOO 1
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <cerrno>
+#include <optional>
+#include <thread>
+
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+// ProcessGroupNCCL, in dist/nccl.cpp when the build has CUDA (DEPTHKIT_CUDA), else a refusal.
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                    int size, std::chrono::milliseconds timeout);
+
+namespace {
+
+using namespace std::chrono_literals;
+constexpr auto kHeartbeat = 250ms;  // how often each rank says it is alive
+constexpr auto kSilence = 1500ms;   // a rank whose heartbeat stops this long is gone
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) return std::nullopt;
+  return std::string(v);
+}
+
+int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const auto v = env(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v->c_str(), &end, 10);
+  if (v->empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
+    fail("environment variable ", name, "='", printable(*v), "' must be an integer in [", lo, ", ", hi, "]");
+  return x;
+}
+
+std::string key_of(const char* what, int64_t rank) { return cat(what, "/", rank); }
+
+std::string as_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+}  // namespace
+
+LaunchEnv LaunchEnv::from_environment() {
+  LaunchEnv e;
+  e.world_size = env_int("WORLD_SIZE", 1, 1, 1 << 20);
+  e.rank = env_int("RANK", 0, 0, e.world_size - 1);
+  e.local_world_size = env_int("LOCAL_WORLD_SIZE", e.world_size, 1, e.world_size);
+  e.local_rank = env_int("LOCAL_RANK", e.rank % e.local_world_size, 0, e.local_world_size - 1);
+  if (e.world_size > 1) {
+    const auto addr = env("MASTER_ADDR");
+    if (!addr || addr->empty()) fail("environment variable MASTER_ADDR is not set (WORLD_SIZE is ", e.world_size, ")");
+    e.master_addr = *addr;
+    if (!env("MASTER_PORT")) fail("environment variable MASTER_PORT is not set (WORLD_SIZE is ", e.world_size, ")");
+    e.master_port = env_int("MASTER_PORT", 0, 1, 65535);
+  }
+  const auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
+  e.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+  e.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, INT32_MAX);
+  return e;
+}
+
+struct World::Impl {
+  int64_t rank = 0, size = 1;
+  std::string store_address;
+  bool agent_store = false;
+  c10::intrusive_ptr<c10d::Store> store;  // the job's keys, under a prefix of its attempt
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::chrono::milliseconds timeout{0};
+  std::thread heartbeat;
+  std::atomic<bool> stopping{false};
+  std::atomic<int64_t> step{0};
+  bool broken = false;  // a collective failed: the group must not be used or torn down
+
+  at::Device device = at::kCPU;  // where the backend's tensors live (CUDA for NCCL)
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(timeout); }
+
+  // Runs `collective` on `t` moved to the backend's device, and copies the result back.
+  template <class F>
+  void on_device(at::Tensor& t, const F& collective) {
+    at::Tensor there = t.device() == device ? t : t.to(device);
+    std::vector<at::Tensor> ts{there};
+    wait(collective(ts));
+    if (!there.is_same(t)) t.copy_(there);
+  }
+
+  // "beat step" of every rank's heartbeat, or nullopt for a rank that never published one.
+  std::map<int64_t, std::string> heartbeats(c10d::Store& s) const {
+    std::map<int64_t, std::string> out;
+    for (int64_t r = 0; r < size; ++r)
+      if (s.check({key_of("heartbeat", r)})) out[r] = as_string(s.get(key_of("heartbeat", r)));
+    return out;
+  }
+
+  // The one line that explains why the job stopped, read from the store by a rank whose
+  // collective failed: a rank that published its failure, else a rank whose heartbeat stopped,
+  // else the rank that lags behind this one. Empty when nothing explains it.
+  std::string diagnose() const {
+    try {
+      auto s = store->clone();  // a connection of its own: the job's may be mid-request
+      s->setTimeout(std::chrono::milliseconds(5000));
+      for (int64_t r = 0; r < size; ++r)
+        if (r != rank && s->check({key_of("failed", r)}))
+          return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
+      const auto before = heartbeats(*s);
+      std::this_thread::sleep_for(kSilence);
+      for (int64_t r = 0; r < size; ++r)
+        if (r != rank && s->check({key_of("failed", r)}))
+          return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
+      const auto after = heartbeats(*s);
+      for (int64_t r = 0; r < size; ++r) {
+        if (r == rank) continue;
+        if (!after.count(r)) return cat("rank ", r, " never joined the job");
+        if (before.count(r) && before.at(r) == after.at(r))
+          return cat("rank ", r, " is gone (no heartbeat for ", kSilence.count() / 1000.0, " s: killed, crashed or stopped)");
+      }
+      // Everyone is alive: the one that lags is stuck (it did not reach the collective in time).
+      int64_t lagging = -1, lag_step = step.load();
+      for (const auto& [r, beat] : after) {
+        const int64_t s_r = std::stoll(beat.substr(beat.find(' ') + 1));
+        if (s_r < lag_step) lagging = r, lag_step = s_r;
+      }
+      if (lagging >= 0)
+        return cat("rank ", lagging, " is stuck at step ", lag_step, " while rank ", rank, " waited at step ",
+                   step.load(), " for ", timeout.count() / 1000.0, " s (train.timeout_s)");
+      return "";
+    } catch (const std::exception&) {
+      // The store itself is gone: where rank 0 hosts it, rank 0 died with it.
+      return agent_store ? cat("the job's rendezvous store at ", store_address, " (its launcher) no longer answers")
+                         : cat("rank 0 died (the rendezvous store it hosted at ", store_address, " no longer answers)");
+    }
+  }
+};
+
+World::World() : impl_(std::make_unique<Impl>()) {}
+
+World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
+    : impl_(std::make_unique<Impl>()), rank_(env.rank), size_(env.world_size) {
+  Impl& w = *impl_;
+  w.rank = env.rank;
+  w.size = env.world_size;
+  w.agent_store = env.agent_store;
+  w.store_address = cat(env.master_addr, ":", env.master_port);
+  w.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
+  c10d::TCPStoreOptions opts;
+  opts.port = uint16_t(env.master_port);
+  opts.isServer = env.rank == 0 && !env.agent_store;
+  opts.numWorkers = std::nullopt;
+  opts.waitWorkers = false;
+  opts.timeout = w.timeout;
+  c10::intrusive_ptr<c10d::Store> tcp;
+  try {
+    tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  } catch (const std::exception& e) {
+    fail("rank ", env.rank, ": cannot reach the rendezvous store at ", w.store_address, " within ",
+         timeout_s, " s (train.timeout_s): ", one_line(e));
+  }
+  w.store = c10::make_intrusive<c10d::PrefixStore>(cat("depthkit/", env.restart_count), tcp);
+  // The heartbeat starts before the group forms, so that a rank missing at start-up is named.
+  w.store->set(key_of("heartbeat", w.rank), "0 0");
+  w.heartbeat = std::thread([&w] {
+    try {
+      auto s = w.store->clone();
+      for (int64_t beat = 1; !w.stopping.load(); ++beat) {
+        s->set(key_of("heartbeat", w.rank), cat(beat, " ", w.step.load()));
+        std::this_thread::sleep_for(kHeartbeat);
+      }
+    } catch (const std::exception&) {  // the store is gone; the next collective says so
+    }
+  });
+  try {
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>("group", w.store);
+    w.group = c10::make_intrusive<c10d::ProcessGroup>(group_store, int(w.rank), int(w.size));
+    if (backend == "gloo") {
+      auto options = c10d::ProcessGroupGloo::Options::create(w.timeout);
+      options->devices.push_back(env.master_addr == "127.0.0.1" || env.master_addr == "localhost"
+                                     ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                     : c10d::ProcessGroupGloo::createDefaultDevice());
+      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(group_store, int(w.rank), int(w.size), options);
+      w.group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::GLOO, gloo);
+      w.group->setDefaultBackend(c10d::ProcessGroup::GLOO);
+    } else if (backend == "nccl") {
+      auto nccl = make_nccl_backend(group_store, int(w.rank), int(w.size), w.timeout);
+      w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
+      w.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::NCCL, nccl);
+      w.group->setDefaultBackend(c10d::ProcessGroup::NCCL);
+    } else {
+      fail("train.backend: unknown process-group backend '", backend, "'");
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string why = w.diagnose();
+    w.broken = true;
+    fail("rank ", w.rank, ": the ", backend, " process group did not form within ", timeout_s, " s (train.timeout_s)",
+         why.empty() ? cat(": ", one_line(e)) : cat(": ", why));
+  }
+}
+
+World::~World() {
+  if (!impl_) return;
+  impl_->stopping.store(true);
+  if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+  if (impl_->broken) {
+    // Gloo's pairs to a dead peer cannot be closed cleanly: leave the group to the process's exit.
+    (void)impl_->group.release();
+  }
+}
+
+void World::all_reduce_sum(at::Tensor& t) {
+  if (!distributed()) return;
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->allreduce(ts); });
+}
+
+void World::broadcast(at::Tensor& t, int64_t root) {
+  if (!distributed()) return;
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->broadcast(ts, opts); });
+}
+
+at::Tensor World::all_gather(const at::Tensor& shard) {
+  if (!distributed()) return shard.clone();
+  const at::Tensor in = shard.to(impl_->device).contiguous();
+  at::Tensor out = at::empty({size_ * in.numel()}, in.options());
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int64_t r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+  std::vector<at::Tensor> ins{in};
+  impl_->wait(impl_->group->allgather(outs, ins));
+  return out.to(shard.device());
+}
+
+void World::agree(bool ok, const std::string& what) {
+  if (!distributed()) return;
+  at::Tensor failed = at::zeros({size_}, at::kInt);
+  failed.data_ptr<int>()[rank_] = ok ? 0 : 1;
+  all_reduce_sum(failed);
+  if (!ok) return;  // the caller rethrows its own error
+  std::string names;
+  for (int64_t r = 0; r < size_; ++r)
+    if (failed.data_ptr<int>()[r]) names += cat(names.empty() ? "" : ", ", r);
+  if (!names.empty()) fail("rank ", names, " failed during ", what, " (its own message says why); rank ", rank_, " stops too");
+}
+
+void World::set_step(int64_t step) { impl_->step.store(step); }
+
+void World::fail_job(std::exception_ptr error) {
+  Impl& w = *impl_;
+  std::string own;
+  bool own_error = false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {  // this rank's own, stated failure (bad input, a diverged loss, ...)
+    own = e.what();
+    own_error = true;
+  } catch (const std::exception& e) {
+    own = error_line(e);
+  }
+  if (!own_error && distributed()) {
+    // Maybe a collective that failed because another rank went away: if so, say which.
+    const std::string why = w.diagnose();
+    if (!why.empty()) {
+      w.broken = true;
+      throw Error(cat("rank ", rank_, " stops: ", why));
+    }
+  }
+  if (distributed()) {
+    try {
+      auto s = w.store->clone();
+      s->setTimeout(std::chrono::milliseconds(5000));
+      s->set(key_of("failed", rank_), own);
+    } catch (const std::exception&) {
+    }
+    w.broken = !own_error;
+  }
+  std::rethrow_exception(error);
+}
+
+namespace {
+
+class NoReducer final : public GradientReducer {
+ public:
+  void begin_micro_step(bool) override {}
+  void before_backward() override {}
+};
+
+class C10dReducer final : public GradientReducer {
+ public:
+  C10dReducer(const std::vector<at::Tensor>& params, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+              int64_t bucket_bytes, const bool& broken)
+      : broken_(broken) {
+    // Buckets in reverse registration order: backward produces the last layers' gradients first.
+    std::vector<int64_t> order;
+    for (int64_t i = int64_t(params.size()) - 1; i >= 0; --i) order.push_back(i);
+    const auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
+        params, {size_t(1) << 20, size_t(bucket_bytes)}, std::vector<bool>(params.size(), false), order);
+    std::unordered_map<size_t, std::string> names;
+    std::vector<int64_t> caps(limits.begin(), limits.end());
+    reducer_ = std::make_unique<c10d::Reducer>(params, buckets, group, std::vector<bool>(params.size(), false),
+                                               bucket_bytes, /*find_unused_parameters=*/false,
+                                               /*gradient_as_bucket_view=*/false, names,
+                                               /*first_bucket_bytes_cap=*/int64_t(1) << 20,
+                                               /*skip_all_reduce_unused_params=*/false,
+                                               /*use_python_reducer=*/false, caps);
+  }
+  ~C10dReducer() override {
+    if (broken_) (void)reducer_.release();  // its pending work refers to a broken group
+  }
+  void begin_micro_step(bool last) override {
+    last_ = last;
+    if (last) reducer_->prepare_for_forward();
+  }
+  void before_backward() override {
+    if (last_) reducer_->prepare_for_backward({});
+  }
+
+ private:
+  std::unique_ptr<c10d::Reducer> reducer_;
+  const bool& broken_;
+  bool last_ = true;
+};
+
+}  // namespace
+
+std::unique_ptr<GradientReducer> World::gradient_reducer(const std::vector<at::Tensor>& params, int64_t bucket_bytes) {
+  if (!distributed()) return std::make_unique<NoReducer>();
+  return std::make_unique<C10dReducer>(params, impl_->group, bucket_bytes, impl_->broken);
+}
+
+}  // namespace depthkit

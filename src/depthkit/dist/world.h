@@ -1,0 +1,94 @@
+// The processes of one training job and the c10d process group that connects them
+// (docs/training.md, "Many processes"). A job is launched by torchrun or by `depthkit train
+// --nproc N` (dist/launch.h), which both describe each process by torchrun's environment
+// variables; the processes meet through c10d's TCPStore and talk through ProcessGroupGloo (CPU
+// tensors) or ProcessGroupNCCL (CUDA tensors). One process (no variables, or WORLD_SIZE = 1) is a
+// World of size 1 whose collectives are the identity, so the trainer has one code path.
+//
+// The c10d headers are heavy and need defines (USE_C10D_GLOO): they stay in world.cpp.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace depthkit {
+
+// Where this process stands in a job, read from torchrun's environment variables.
+struct LaunchEnv {
+  int64_t rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 29500;
+  // TORCHELASTIC_USE_AGENT_STORE: the launcher (torchrun's agent, or `--nproc`) hosts the
+  // TCPStore, so it outlives any rank; otherwise rank 0 hosts it.
+  bool agent_store = false;
+  // TORCHELASTIC_RESTART_COUNT: a restarted job's keys are kept apart from the earlier attempt's.
+  int64_t restart_count = 0;
+
+  // One-line errors name a malformed or inconsistent variable.
+  static LaunchEnv from_environment();
+};
+
+// Averages gradients across ranks in buckets while backward produces them (c10d's Reducer, as
+// DistributedDataParallel does). Per optimizer step with accumulation A, for micro-step m:
+//   reduce.begin_micro_step(m == A - 1); loss = ...; reduce.before_backward(); loss.backward();
+// Only the last micro-step communicates: earlier ones accumulate in .grad locally, and the last
+// one's buckets carry the sums, so that each rank ends with the mean over ranks of its
+// accumulated gradient.
+class GradientReducer {
+ public:
+  virtual ~GradientReducer() = default;
+  virtual void begin_micro_step(bool last) = 0;
+  virtual void before_backward() = 0;
+};
+
+class World {
+ public:
+  World();  // one process
+  // Joins the job `env` describes: rendezvous through the TCPStore, then the process group of
+  // `backend` ("gloo" | "nccl"), every collective bounded by timeout_s.
+  World(const LaunchEnv& env, const std::string& backend, double timeout_s);
+  ~World();
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  bool root() const { return rank_ == 0; }
+  bool distributed() const { return size_ > 1; }
+
+  // Collectives over every rank (the identity in one process). Tensors live on the backend's
+  // device (CPU for Gloo, CUDA for NCCL); each call waits for its result.
+  void all_reduce_sum(at::Tensor& t);
+  void broadcast(at::Tensor& t, int64_t root = 0);
+  // Every rank's `shard` (1-D, the same length on every rank) concatenated in rank order.
+  at::Tensor all_gather(const at::Tensor& shard);
+
+  // Start-up: every rank says whether its part succeeded. Returns on all ranks when all did;
+  // otherwise throws, on the ranks that succeeded, one line naming the ranks that failed (those
+  // rethrow their own error).
+  void agree(bool ok, const std::string& what);
+
+  // The gradient reducer for `params` (the identity in one process).
+  std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,
+                                                    int64_t bucket_bytes = 25 << 20);
+
+  // The step this rank is at, published with its heartbeat (a stuck rank is then named).
+  void set_step(int64_t step);
+
+  // Turns the exception that stopped this rank into the job's one-line error and throws it: this
+  // rank's own failure is published for the others and rethrown; a failed collective is
+  // explained by the rank that died or failed first (read from the store), or by the rank that
+  // lags. Afterwards the process group is left as it is (it cannot be used or safely torn down).
+  [[noreturn]] void fail_job(std::exception_ptr error);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  int64_t rank_ = 0, size_ = 1;
+};
+
+}  // namespace depthkit
