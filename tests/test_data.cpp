@@ -133,6 +133,27 @@ TEST(Loader, AnEpochVisitsEveryWindowOnce) {
   EXPECT_EQ(loader.position().epoch, 1);
 }
 
+// N ranks with accumulation A read, between them, exactly the micro-batches one rank with
+// accumulation N·A reads, each once, and every rank's position stays the single-rank position.
+TEST(Loader, RanksShareOneGlobalOrder) {
+  TempDir d;
+  write_shard(d.str("train_000000.bin"), pattern_tokens(1000, 64, 7), 64);
+  TokenDataset data(d.str(), "train", 64);
+  const int64_t T = 16, B = 3, N = 3, A = 2;
+  BatchLoader one(data, B, T, 5);
+  std::vector<BatchLoader> ranks;
+  for (int64_t r = 0; r < N; ++r) ranks.emplace_back(data, B, T, 5);
+  for (int step = 0; step < 9; ++step) {  // crosses epochs (62 windows, 18 a step)
+    for (int64_t m = 0; m < A; ++m)
+      for (int64_t r = 0; r < N; ++r)  // micro-step m of rank r is global micro-batch m·N + r
+        EXPECT_TRUE(at::equal(ranks[r].next(r, N), one.next())) << "step " << step << " rank " << r;
+    for (int64_t r = 0; r < N; ++r) {
+      EXPECT_EQ(ranks[r].position().epoch, one.position().epoch);
+      EXPECT_EQ(ranks[r].position().index, one.position().index);
+    }
+  }
+}
+
 const char* kText =
     "The Python tutorial: an informal introduction.\n"
     "    >>> print(\"naïve café — ✓\", 3 + 4)  # comments\n\n"

@@ -1,5 +1,6 @@
 // The dense backbone: the DAR paper's parameter counts, causality, initialisation, and that it
 // learns (overfits one batch).
+#include <ATen/ops/cat.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
@@ -59,6 +60,54 @@ TEST(Model, SeedFixesInitialisation) {
 }
 
 // Causality of the backbone with every pathway: Pathways.EveryKindIsCausal (test_pathways.cpp).
+
+// ZeRO-1's arithmetic in one process: optimizers over disjoint shards of the parameters, each
+// updating its elements, give exactly the unsharded update, and their state, laid end to end,
+// is the unsharded state under the same names.
+TEST(Optimizer, ShardedAdamWEqualsUnsharded) {
+  Config c = tiny_model();
+  Transformer whole(c.model, c.residual, at::kCPU, 4), split(c.model, c.residual, at::kCPU, 4);
+  const int64_t n = whole.parameters().count(), ranks = 3;
+  AdamW full(whole.parameters(), c.optim);
+  std::vector<AdamW> shards;
+  for (int64_t r = 0; r < ranks; ++r) shards.emplace_back(split.parameters(), c.optim, ParameterShard::of(n, r, ranks));
+  EXPECT_EQ(shards[0].state_bytes() * ranks, full.state_bytes() + (ranks * shards[0].shard().chunk - n) * 2 * 4);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  for (int step = 0; step < 3; ++step) {
+    at::Tensor batch = at::randint(c.model.vocab_size, {2, c.model.seq_len + 1}, gen);
+    for (Transformer* m : {&whole, &split}) {
+      m->parameters().zero_grad();
+      m->loss(batch).backward();
+    }
+    full.step(1e-2);
+    std::vector<at::Tensor> pieces;
+    for (AdamW& s : shards) {
+      s.step(1e-2);
+      pieces.push_back(s.shard_of_parameters());
+    }
+    // Each rank changed only its own elements; the all-gather puts everyone's together.
+    shards[0].set_parameters(at::cat(pieces));
+    for (size_t i = 0; i < whole.parameters().all().size(); ++i)
+      EXPECT_TRUE(at::equal(whole.parameters().all()[i].tensor, split.parameters().all()[i].tensor))
+          << whole.parameters().all()[i].name << " step " << step;
+  }
+  std::vector<at::Tensor> m, v;
+  for (AdamW& s : shards) m.push_back(s.exp_avg()), v.push_back(s.exp_avg_sq());
+  const NamedTensors expected = full.state(), gathered = shards[0].state(at::cat(m), at::cat(v));
+  ASSERT_EQ(expected.size(), gathered.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(expected[i].first, gathered[i].first);
+    EXPECT_TRUE(at::equal(expected[i].second, gathered[i].second)) << expected[i].first;
+  }
+  EXPECT_THROW(shards[1].state(), Error);  // a shard alone is not the optimizer's state
+  // Loading the full state gives each shard its elements back.
+  std::map<std::string, at::Tensor> saved(expected.begin(), expected.end());
+  AdamW reloaded(split.parameters(), c.optim, ParameterShard::of(n, 1, ranks));
+  reloaded.load_state(saved, "state");
+  EXPECT_TRUE(at::equal(reloaded.exp_avg(), shards[1].exp_avg()));
+  EXPECT_TRUE(at::equal(reloaded.exp_avg_sq(), shards[1].exp_avg_sq()));
+  EXPECT_EQ(reloaded.steps(), 3);
+}
 
 TEST(Model, OverfitsOneBatch) {
   Config c = tiny_model();
