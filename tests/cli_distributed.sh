@@ -101,6 +101,16 @@ took=$(( $(date +%s) - start ))
 [ $took -lt 20 ] || fail "the job took $took s to stop (train.timeout_s = 20)"
 grep -q "rank 0 stops: rank 1 is gone" killed.log || { cat killed.log; fail "rank 0 did not name the dead rank"; }
 
+# Ctrl-C reaches the launcher: every rank stops at the same step, rank 0 checkpoints it, exit 130.
+"$DK" train "${LONG[@]}" --run-dir interrupted --nproc 2 2>interrupted.log >/dev/null &
+launcher=$!
+for _ in $(seq 300); do [ -s interrupted/metrics.jsonl ] && break; sleep 0.1; done
+kill -INT $launcher
+rc=0; wait $launcher || rc=$?
+[ $rc = 130 ] || { cat interrupted.log; fail "the interrupted job exited $rc, expected 130"; }
+[ -f interrupted/checkpoints/latest ] || fail "the interrupted job left no checkpoint"
+grep -q "stopped at step" interrupted.log || fail "the interrupted job did not say where it stopped"
+
 # A rank that fails at start-up (rank 0 cannot take the run directory's lock) is named by the others.
 "$DK" train "${LONG[@]}" --run-dir locked >/dev/null 2>holder.log &
 holder=$!
