@@ -119,4 +119,21 @@ rc=0; "$DK" train "${LONG[@]}" --run-dir locked --nproc 2 >/dev/null 2>locked.lo
 kill -INT $holder; wait $holder || true
 [ $rc != 0 ] || fail "a job whose rank 0 could not lock the run directory exited 0"
 grep -q "rank 0 failed during start-up" locked.log || { cat locked.log; fail "rank 1 did not name rank 0's failure"; }
+# Malformed launch variables and keys: one line naming them, before anything starts.
+expect_error() {  # expect_error PATTERN COMMAND...
+  local pattern=$1; shift
+  rc=0; "$@" >/dev/null 2>err.log || rc=$?
+  [ $rc != 0 ] && [ "$(wc -l <err.log)" = 1 ] && grep -q -e "$pattern" err.log || { cat err.log; fail "expected one line matching '$pattern'"; }
+}
+expect_error "environment variable RANK='5' must be an integer in \[0, 1\]" \
+  env RANK=5 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 "$DK" train "${SETS[@]}" --run-dir bad
+expect_error "environment variable MASTER_PORT is not set" env -u MASTER_PORT RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+  "$DK" train "${SETS[@]}" --run-dir bad
+expect_error "--nproc given inside a launched job" env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \
+  "$DK" train "${SETS[@]}" --run-dir bad --nproc 2
+expect_error 'train.backend = "nccl" needs train.device = "cuda"' "$DK" train "${SETS[@]}" --set train.backend=nccl --nproc 2 --run-dir bad
+# A rank that never comes: the other names it after train.timeout_s.
+expect_error "rank 1 never joined the job" env RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29600 + RANDOM % 300)) \
+  "$DK" train "${SETS[@]}" --set train.timeout_s=3 --run-dir lonely
+[ ! -e bad ] && [ ! -e lonely ] || fail "a refused job left a run directory"
 echo "cli_distributed: ok"

@@ -5,6 +5,7 @@
 #include <c10/util/Logging.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "depthkit/cli/commands.h"
 #include "depthkit/util/error.h"
@@ -15,6 +16,9 @@ int run(int argc, char** argv) {
   // A failed check inside LibTorch (an allocation that fails, for one) must throw, so that the
   // boundary below reports it in one line; with this flag set it aborts the process instead.
   FLAGS_caffe2_use_fatal_for_enforce = false;
+  // c10d logs its socket retries and timeouts as multi-line warnings on stderr; depthkit reports a
+  // failed rendezvous or collective itself, in one line. TORCH_CPP_LOG_LEVEL, when set, decides.
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = 2;  // errors only
   CLI::App app{"depthkit: Transformer residual pathways that retrieve across depth"};
   app.require_subcommand(1);
   app.failure_message([](const CLI::App*, const CLI::Error& e) {

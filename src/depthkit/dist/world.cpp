@@ -88,6 +88,13 @@ struct World::Impl {
   std::atomic<int64_t> step{0};
   bool broken = false;  // a collective failed: the group must not be used or torn down
 
+  ~Impl() {
+    stopping.store(true);
+    if (heartbeat.joinable()) heartbeat.join();
+    // Gloo's pairs to a dead peer cannot be closed cleanly: leave the group to the process's exit.
+    if (broken) (void)group.release();
+  }
+
   at::Device device = at::kCPU;  // where the backend's tensors live (CUDA for NCCL)
 
   void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(timeout); }
@@ -214,15 +221,7 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
   }
 }
 
-World::~World() {
-  if (!impl_) return;
-  impl_->stopping.store(true);
-  if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
-  if (impl_->broken) {
-    // Gloo's pairs to a dead peer cannot be closed cleanly: leave the group to the process's exit.
-    (void)impl_->group.release();
-  }
-}
+World::~World() = default;
 
 void World::all_reduce_sum(at::Tensor& t) {
   if (!distributed()) return;
