@@ -58,7 +58,8 @@ for kind in residual dar msar; do
   python3 compare.py two_$kind one_$kind || fail "$kind: 2 ranks x accumulation 1 differ from 1 rank x accumulation 2"
 done
 
-# ZeRO-1: the same arithmetic, sharded: identical parameters and optimizer state; half the state.
+# ZeRO-1: the same arithmetic, sharded: identical parameters and optimizer state (one thread a
+# rank: the same ATen code path for every element); half the state.
 "$DK" train "${SETS[@]}" --run-dir zero --nproc 2 --set train.zero=1 >/dev/null 2>zero.log || { cat zero.log; fail "zero"; }
 cmp -s zero/checkpoints/step_00000020/model.safetensors two_residual/checkpoints/step_00000020/model.safetensors \
   || fail "ZeRO-1 parameters differ from unsharded"
@@ -66,7 +67,9 @@ cmp -s zero/checkpoints/step_00000020/optimizer.safetensors two_residual/checkpo
   || fail "ZeRO-1 optimizer state differs from unsharded"
 full=$(json '["optimizer_state_bytes_per_rank"]' <two_residual/summary.json)
 half=$(json '["optimizer_state_bytes_per_rank"]' <zero/summary.json)
-[ $((2 * half)) = "$full" ] || fail "ZeRO-1 per-rank optimizer state $half bytes, unsharded $full"
+# Half, up to the alignment of the shard boundary (under 64 elements x 2 moments x 4 bytes).
+[ $((2 * half)) -ge "$full" ] && [ $((2 * half - full)) -le $((2 * 64 * 2 * 4)) ] \
+  || fail "ZeRO-1 per-rank optimizer state $half bytes, unsharded $full"
 grep -q "ZeRO-1: AdamW state of" zero.log || fail "ZeRO-1 does not report its per-rank state"
 
 # A 2-rank ZeRO-1 checkpoint resumes on 1 rank (keeping the global batch) with the uninterrupted

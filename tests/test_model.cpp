@@ -68,10 +68,17 @@ TEST(Optimizer, ShardedAdamWEqualsUnsharded) {
   Config c = tiny_model();
   Transformer whole(c.model, c.residual, at::kCPU, 4), split(c.model, c.residual, at::kCPU, 4);
   const int64_t n = whole.parameters().count(), ranks = 3;
+  const std::vector<int64_t> sizes = AdamW::sizes(split.parameters());
   AdamW full(whole.parameters(), c.optim);
   std::vector<AdamW> shards;
-  for (int64_t r = 0; r < ranks; ++r) shards.emplace_back(split.parameters(), c.optim, ParameterShard::of(n, r, ranks));
-  EXPECT_EQ(shards[0].state_bytes() * ranks, full.state_bytes() + (ranks * shards[0].shard().chunk - n) * 2 * 4);
+  for (int64_t r = 0; r < ranks; ++r) shards.emplace_back(split.parameters(), c.optim, ParameterShard::of(sizes, r, ranks));
+  // Shares of about n / ranks, each boundary 64 elements into its parameter at most from ideal.
+  const ParameterShard& last = shards.back().shard();
+  ASSERT_EQ(last.bounds.size(), size_t(ranks + 1));
+  EXPECT_EQ(last.bounds.front(), 0);
+  EXPECT_EQ(last.bounds.back(), n);
+  for (int64_t r = 1; r < ranks; ++r) EXPECT_LE(std::abs(last.bounds[r] - r * ((n + ranks - 1) / ranks)), 64) << r;
+  EXPECT_EQ(shards[0].state_bytes() * ranks, full.state_bytes() + (ranks * last.chunk - n) * 2 * 4);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
   for (int step = 0; step < 3; ++step) {
     at::Tensor batch = at::randint(c.model.vocab_size, {2, c.model.seq_len + 1}, gen);
@@ -86,14 +93,15 @@ TEST(Optimizer, ShardedAdamWEqualsUnsharded) {
       pieces.push_back(s.shard_of_parameters());
     }
     // Each rank changed only its own elements; the all-gather puts everyone's together.
-    shards[0].set_parameters(at::cat(pieces));
+    shards[0].set_parameters(shards[0].shard().unpad(at::cat(pieces)));
     for (size_t i = 0; i < whole.parameters().all().size(); ++i)
       EXPECT_TRUE(at::equal(whole.parameters().all()[i].tensor, split.parameters().all()[i].tensor))
           << whole.parameters().all()[i].name << " step " << step;
   }
   std::vector<at::Tensor> m, v;
   for (AdamW& s : shards) m.push_back(s.exp_avg()), v.push_back(s.exp_avg_sq());
-  const NamedTensors expected = full.state(), gathered = shards[0].state(at::cat(m), at::cat(v));
+  const NamedTensors expected = full.state(),
+                     gathered = shards[0].state(last.unpad(at::cat(m)), last.unpad(at::cat(v)));
   ASSERT_EQ(expected.size(), gathered.size());
   for (size_t i = 0; i < expected.size(); ++i) {
     EXPECT_EQ(expected[i].first, gathered[i].first);
@@ -102,7 +110,7 @@ TEST(Optimizer, ShardedAdamWEqualsUnsharded) {
   EXPECT_THROW(shards[1].state(), Error);  // a shard alone is not the optimizer's state
   // Loading the full state gives each shard its elements back.
   std::map<std::string, at::Tensor> saved(expected.begin(), expected.end());
-  AdamW reloaded(split.parameters(), c.optim, ParameterShard::of(n, 1, ranks));
+  AdamW reloaded(split.parameters(), c.optim, ParameterShard::of(sizes, 1, ranks));
   reloaded.load_state(saved, "state");
   EXPECT_TRUE(at::equal(reloaded.exp_avg(), shards[1].exp_avg()));
   EXPECT_TRUE(at::equal(reloaded.exp_avg_sq(), shards[1].exp_avg_sq()));

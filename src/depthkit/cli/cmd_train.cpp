@@ -64,7 +64,7 @@ int run_train(const TrainArgs& a) {
   if (r.interrupted) return 128 + (r.signal ? r.signal : 2);  // shell convention: 130 SIGINT, 143 SIGTERM
   if (opt.launch.rank != 0) return 0;  // rank 0 reports for the job
   if (r.complete) {
-    const int64_t total = opt.config.total_steps();
+    const int64_t total = opt.config.total_steps(opt.launch.world_size);
     if (a.json)
       std::printf("%s\n", nlohmann::json({{"run_dir", opt.run_dir.string()}, {"step", r.step},
                                           {"total_steps", total}, {"complete", true}}).dump().c_str());

@@ -11,11 +11,14 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <optional>
 #include <cerrno>
 #include <thread>
 
 #include "depthkit/util/error.h"
+
+extern "C" char** environ;
 
 namespace depthkit {
 
@@ -24,10 +27,17 @@ namespace {
 constexpr int kMaxRanks = 1024;
 pid_t g_ranks[kMaxRanks];
 std::atomic<int> g_rank_count{0};
+volatile sig_atomic_t g_signals = 0;
 
+// The first SIGINT/SIGTERM is passed on (each rank checkpoints and stops at the same step); a
+// second one, for a job that does not stop (ranks blocked in a rendezvous or a hung collective),
+// ends every rank at once.
 void pass_on(int sig) {
+  const int count = g_signals + 1;
+  g_signals = count;
+  const int send = count > 1 ? SIGKILL : sig;
   for (int i = 0; i < g_rank_count.load(); ++i)
-    if (g_ranks[i] > 0) kill(g_ranks[i], sig);
+    if (g_ranks[i] > 0) kill(g_ranks[i], send);
 }
 
 int exit_status(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
@@ -51,6 +61,7 @@ std::vector<std::string> own_command_line() {
 
 int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, double grace_s) {
   if (nproc < 1 || nproc > kMaxRanks) fail("--nproc must be in [1, ", kMaxRanks, "], got ", nproc);
+  std::signal(SIGPIPE, SIG_IGN);  // a rank that is gone must not take its store's host with it
   // The job's store, on a port the kernel picks: no clash with another job on this machine.
   c10d::TCPStoreOptions opts;
   opts.port = 0;
@@ -62,31 +73,56 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const std::string threads = std::to_string(std::max<int64_t>(1, int64_t(cores) / nproc));
 
+  // Every rank's argv and environment are made before the first fork: between fork and exec a
+  // child of this multi-threaded process (the store's server thread) may only call async-signal-
+  // safe functions.
   std::vector<std::string> args = argv;
   std::vector<char*> cargv;
   for (auto& a : args) cargv.push_back(a.data());
   cargv.push_back(nullptr);
+  const std::set<std::string> ours = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                      "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"};
+  std::vector<std::string> inherited;
+  bool has_threads = false;
+  for (char** e = environ; *e; ++e) {
+    const std::string var = *e, name = var.substr(0, var.find('='));
+    if (ours.count(name)) continue;
+    has_threads |= name == "OMP_NUM_THREADS";
+    inherited.push_back(var);
+  }
+  std::vector<std::vector<std::string>> envs(nproc, inherited);
+  std::vector<std::vector<char*>> cenvs(nproc);
+  for (int64_t r = 0; r < nproc; ++r) {
+    for (const std::string& v : {cat("RANK=", r), cat("LOCAL_RANK=", r), cat("WORLD_SIZE=", nproc),
+                                 cat("LOCAL_WORLD_SIZE=", nproc), std::string("MASTER_ADDR=127.0.0.1"),
+                                 cat("MASTER_PORT=", port), std::string("TORCHELASTIC_USE_AGENT_STORE=True")})
+      envs[r].push_back(v);
+    if (!has_threads) envs[r].push_back("OMP_NUM_THREADS=" + threads);
+    for (auto& v : envs[r]) cenvs[r].push_back(v.data());
+    cenvs[r].push_back(nullptr);
+  }
   std::fflush(stdout);
   std::fflush(stderr);
+  g_signals = 0;
   auto old_int = std::signal(SIGINT, pass_on);
   auto old_term = std::signal(SIGTERM, pass_on);
+  auto restore = [&] {
+    g_rank_count.store(0);
+    std::signal(SIGINT, old_int);
+    std::signal(SIGTERM, old_term);
+  };
   for (int64_t r = 0; r < nproc; ++r) {
     const pid_t pid = fork();
     if (pid < 0) {
-      pass_on(SIGTERM);
+      for (int64_t q = 0; q < r; ++q) kill(g_ranks[q], SIGKILL);
+      for (int64_t q = 0; q < r; ++q) waitpid(g_ranks[q], nullptr, 0);
+      restore();
       fail("cannot start rank ", r, " (fork failed)");
     }
     if (pid == 0) {
-      setenv("RANK", std::to_string(r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", port.c_str(), 1);
-      setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
-      setenv("OMP_NUM_THREADS", threads.c_str(), 0);
-      execv("/proc/self/exe", cargv.data());
-      std::fprintf(stderr, "depthkit: error: cannot run /proc/self/exe for rank %lld\n", (long long)r);
+      execve("/proc/self/exe", cargv.data(), cenvs[r].data());
+      static const char msg[] = "depthkit: error: cannot run /proc/self/exe for a rank\n";
+      (void)!write(2, msg, sizeof msg - 1);
       _exit(127);
     }
     g_ranks[r] = pid;
@@ -125,9 +161,7 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
       deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(grace_s * 1000));
     }
   }
-  g_rank_count.store(0);
-  std::signal(SIGINT, old_int);
-  std::signal(SIGTERM, old_term);
+  restore();
   return result;
 }
 

@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -13,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <atomic>
+#include <csignal>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -78,6 +80,8 @@ LaunchEnv LaunchEnv::from_environment() {
 
 struct World::Impl {
   int64_t rank = 0, size = 1;
+  std::string store_host;
+  uint16_t store_port = 0;
   std::string store_address;
   bool agent_store = false;
   c10::intrusive_ptr<c10d::Store> store;  // the job's keys, under a prefix of its attempt
@@ -97,7 +101,14 @@ struct World::Impl {
 
   at::Device device = at::kCPU;  // where the backend's tensors live (CUDA for NCCL)
 
-  void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(timeout); }
+  // Waits for a collective; one that fails (a peer gone, the timeout) is a CollectiveError.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work) {
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& e) {
+      throw CollectiveError(one_line(e));
+    }
+  }
 
   // Runs `collective` on `t` moved to the backend's device, and copies the result back.
   template <class F>
@@ -106,6 +117,27 @@ struct World::Impl {
     std::vector<at::Tensor> ts{there};
     wait(collective(ts));
     if (!there.is_same(t)) t.copy_(there);
+  }
+
+  // A new connection to the job's store that gives up after a few seconds: for reading what the
+  // other ranks published once something failed (the job's own connection may be mid-request,
+  // and its timeout is train.timeout_s).
+  c10::intrusive_ptr<c10d::Store> quick_store() const {
+    c10d::TCPStoreOptions opts;
+    opts.port = store_port;
+    opts.isServer = false;
+    opts.waitWorkers = false;
+    opts.timeout = std::chrono::milliseconds(5000);
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(store_host, opts);
+    return c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
+  }
+  std::string prefix;
+
+  void publish(const char* what, const std::string& text) const {
+    try {
+      quick_store()->set(key_of(what, rank), text);
+    } catch (const std::exception&) {  // the store is gone: nobody is left to read it
+    }
   }
 
   // "beat step" of every rank's heartbeat, or nullopt for a rank that never published one.
@@ -117,20 +149,24 @@ struct World::Impl {
   }
 
   // The one line that explains why the job stopped, read from the store by a rank whose
-  // collective failed: a rank that published its failure, else a rank whose heartbeat stopped,
-  // else the rank that lags behind this one. Empty when nothing explains it.
+  // collective failed: a rank that published its own failure, else the cause another rank found
+  // first, else a rank whose heartbeat stopped, else the rank that lags behind this one. Empty
+  // when nothing explains it (then the failure is this rank's own).
   std::string diagnose() const {
     try {
-      auto s = store->clone();  // a connection of its own: the job's may be mid-request
-      s->setTimeout(std::chrono::milliseconds(5000));
-      for (int64_t r = 0; r < size; ++r)
-        if (r != rank && s->check({key_of("failed", r)}))
-          return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
+      auto s = quick_store();
+      auto published = [&]() -> std::string {
+        for (int64_t r = 0; r < size; ++r)
+          if (r != rank && s->check({key_of("failed", r)}))
+            return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
+        for (int64_t r = 0; r < size; ++r)
+          if (r != rank && s->check({key_of("stopped", r)})) return as_string(s->get(key_of("stopped", r)));
+        return "";
+      };
+      if (std::string cause = published(); !cause.empty()) return cause;
       const auto before = heartbeats(*s);
       std::this_thread::sleep_for(kSilence);
-      for (int64_t r = 0; r < size; ++r)
-        if (r != rank && s->check({key_of("failed", r)}))
-          return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
+      if (std::string cause = published(); !cause.empty()) return cause;
       const auto after = heartbeats(*s);
       for (int64_t r = 0; r < size; ++r) {
         if (r == rank) continue;
@@ -151,7 +187,7 @@ struct World::Impl {
     } catch (const std::exception&) {
       // The store itself is gone: where rank 0 hosts it, rank 0 died with it.
       return agent_store ? cat("the job's rendezvous store at ", store_address, " (its launcher) no longer answers")
-                         : cat("rank 0 died (the rendezvous store it hosted at ", store_address, " no longer answers)");
+                         : cat("rank 0 is gone (the rendezvous store it hosted at ", store_address, " no longer answers)");
     }
   }
 };
@@ -161,10 +197,16 @@ World::World() : impl_(std::make_unique<Impl>()) {}
 World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
     : impl_(std::make_unique<Impl>()), rank_(env.rank), size_(env.world_size) {
   Impl& w = *impl_;
+  // A write to a closed socket (a rank or the job's store gone) must fail as an error that this
+  // rank then explains, not end the process with SIGPIPE before it can.
+  std::signal(SIGPIPE, SIG_IGN);
   w.rank = env.rank;
   w.size = env.world_size;
   w.agent_store = env.agent_store;
+  w.store_host = env.master_addr;
+  w.store_port = uint16_t(env.master_port);
   w.store_address = cat(env.master_addr, ":", env.master_port);
+  w.prefix = cat("depthkit/", env.restart_count);
   w.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000));
   c10d::TCPStoreOptions opts;
   opts.port = uint16_t(env.master_port);
@@ -179,7 +221,7 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
     fail("rank ", env.rank, ": cannot reach the rendezvous store at ", w.store_address, " within ",
          timeout_s, " s (train.timeout_s): ", one_line(e));
   }
-  w.store = c10::make_intrusive<c10d::PrefixStore>(cat("depthkit/", env.restart_count), tcp);
+  w.store = c10::make_intrusive<c10d::PrefixStore>(w.prefix, tcp);
   // The heartbeat starts before the group forms, so that a rank missing at start-up is named.
   w.store->set(key_of("heartbeat", w.rank), "0 0");
   w.heartbeat = std::thread([&w] {
@@ -204,6 +246,8 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
       w.group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::GLOO, gloo);
       w.group->setDefaultBackend(c10d::ProcessGroup::GLOO);
     } else if (backend == "nccl") {
+      // NCCL binds the calling thread's current device: this rank's GPU (LOCAL_RANK).
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank)));
       auto nccl = make_nccl_backend(group_store, int(w.rank), int(w.size), w.timeout);
       w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
       w.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::NCCL, nccl);
@@ -255,39 +299,32 @@ void World::agree(bool ok, const std::string& what) {
   std::string names;
   for (int64_t r = 0; r < size_; ++r)
     if (failed.data_ptr<int>()[r]) names += cat(names.empty() ? "" : ", ", r);
-  if (!names.empty()) fail("rank ", names, " failed during ", what, " (its own message says why); rank ", rank_, " stops too");
+  if (!names.empty())
+    throw JobStopped(cat("rank ", names, " failed during ", what, " (its own message says why); rank ", rank_, " stops too"));
 }
 
 void World::set_step(int64_t step) { impl_->step.store(step); }
 
 void World::fail_job(std::exception_ptr error) {
   Impl& w = *impl_;
-  std::string own;
-  bool own_error = false;
+  if (!distributed()) std::rethrow_exception(error);
   try {
     std::rethrow_exception(error);
+  } catch (const JobStopped& e) {  // a consequence: the cause is someone else's
+    w.publish("stopped", e.what());
   } catch (const Error& e) {  // this rank's own, stated failure (bad input, a diverged loss, ...)
-    own = e.what();
-    own_error = true;
-  } catch (const std::exception& e) {
-    own = error_line(e);
-  }
-  if (!own_error && distributed()) {
-    // Maybe a collective that failed because another rank went away: if so, say which.
+    w.publish("failed", e.what());
+  } catch (const CollectiveError& e) {
+    w.broken = true;
+    // Maybe because another rank went away or failed: if so, say which.
     const std::string why = w.diagnose();
     if (!why.empty()) {
-      w.broken = true;
-      throw Error(cat("rank ", rank_, " stops: ", why));
+      w.publish("stopped", why);
+      throw JobStopped(cat("rank ", rank_, " stops: ", why));
     }
-  }
-  if (distributed()) {
-    try {
-      auto s = w.store->clone();
-      s->setTimeout(std::chrono::milliseconds(5000));
-      s->set(key_of("failed", rank_), own);
-    } catch (const std::exception&) {
-    }
-    w.broken = !own_error;
+    w.publish("failed", e.what());
+  } catch (const std::exception& e) {
+    w.publish("failed", one_line(e));
   }
   std::rethrow_exception(error);
 }
@@ -303,13 +340,14 @@ class NoReducer final : public GradientReducer {
 class C10dReducer final : public GradientReducer {
  public:
   C10dReducer(const std::vector<at::Tensor>& params, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-              int64_t bucket_bytes, const bool& broken)
-      : broken_(broken) {
-    // Buckets in reverse registration order: backward produces the last layers' gradients first.
+              int64_t bucket_bytes) {
+    // First buckets in reverse registration order, as backward produces the gradients (the last
+    // layers' first); from the second step on, the order they were seen ready (rebuild_buckets).
     std::vector<int64_t> order;
     for (int64_t i = int64_t(params.size()) - 1; i >= 0; --i) order.push_back(i);
+    const std::vector<at::Tensor> reversed(params.rbegin(), params.rend());
     const auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
-        params, {size_t(1) << 20, size_t(bucket_bytes)}, std::vector<bool>(params.size(), false), order);
+        reversed, {size_t(1) << 20, size_t(bucket_bytes)}, std::vector<bool>(params.size(), false), order);
     std::unordered_map<size_t, std::string> names;
     std::vector<int64_t> caps(limits.begin(), limits.end());
     reducer_ = std::make_unique<c10d::Reducer>(params, buckets, group, std::vector<bool>(params.size(), false),
@@ -320,11 +358,26 @@ class C10dReducer final : public GradientReducer {
                                                /*use_python_reducer=*/false, caps);
   }
   ~C10dReducer() override {
-    if (broken_) (void)reducer_.release();  // its pending work refers to a broken group
+    // ~Reducer may throw (removing its autograd hooks); a destructor here must not.
+    c10d::Reducer* reducer = reducer_.release();
+    try {
+      delete reducer;
+    } catch (...) {
+    }
   }
   void begin_micro_step(bool last) override {
     last_ = last;
-    if (last) reducer_->prepare_for_forward();
+    if (!last) return;
+    reducer_->prepare_for_forward();
+    // As DistributedDataParallel's forward: once, after the first step, re-buckets by the order
+    // gradients became ready (a collective, taken by every rank at this same point). It also
+    // checks that the previous step's reduction finished, which fails in one line when some
+    // parameter received no gradient, instead of letting the ranks drift apart.
+    try {
+      reducer_->rebuild_buckets();
+    } catch (const std::exception& e) {
+      throw CollectiveError(one_line(e));
+    }
   }
   void before_backward() override {
     if (last_) reducer_->prepare_for_backward({});
@@ -332,7 +385,6 @@ class C10dReducer final : public GradientReducer {
 
  private:
   std::unique_ptr<c10d::Reducer> reducer_;
-  const bool& broken_;
   bool last_ = true;
 };
 
@@ -340,7 +392,7 @@ class C10dReducer final : public GradientReducer {
 
 std::unique_ptr<GradientReducer> World::gradient_reducer(const std::vector<at::Tensor>& params, int64_t bucket_bytes) {
   if (!distributed()) return std::make_unique<NoReducer>();
-  return std::make_unique<C10dReducer>(params, impl_->group, bucket_bytes, impl_->broken);
+  return std::make_unique<C10dReducer>(params, impl_->group, bucket_bytes);
 }
 
 }  // namespace depthkit

@@ -12,10 +12,25 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "depthkit/util/error.h"
+
 namespace depthkit {
+
+// A collective that did not complete: a peer gone, or a timeout. World's collectives throw it;
+// the trainer turns a failed synchronising backward (the gradient reducer's) into it.
+struct CollectiveError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// This rank stops because another one failed (the message names it): a consequence, which the
+// other ranks must not take for a cause.
+struct JobStopped : Error {
+  using Error::Error;
+};
 
 // Where this process stands in a job, read from torchrun's environment variables.
 struct LaunchEnv {
@@ -68,7 +83,7 @@ class World {
   at::Tensor all_gather(const at::Tensor& shard);
 
   // Start-up: every rank says whether its part succeeded. Returns on all ranks when all did;
-  // otherwise throws, on the ranks that succeeded, one line naming the ranks that failed (those
+  // otherwise throws JobStopped, on the ranks that succeeded, naming the ranks that failed (those
   // rethrow their own error).
   void agree(bool ok, const std::string& what);
 
@@ -79,10 +94,13 @@ class World {
   // The step this rank is at, published with its heartbeat (a stuck rank is then named).
   void set_step(int64_t step);
 
-  // Turns the exception that stopped this rank into the job's one-line error and throws it: this
-  // rank's own failure is published for the others and rethrown; a failed collective is
-  // explained by the rank that died or failed first (read from the store), or by the rank that
-  // lags. Afterwards the process group is left as it is (it cannot be used or safely torn down).
+  // Turns the exception that stopped this rank into the job's one-line error and throws it. This
+  // rank's own failure (anything but the two types above) is published for the others and
+  // rethrown. A CollectiveError is explained from the store: by the rank that failed (its
+  // published error), else by the cause another rank already found, else by a rank whose
+  // heartbeat stopped, else by the rank that lags; that explanation is thrown as JobStopped and
+  // published too. Afterwards a process group that failed is left as it is (it can be neither used
+  // nor safely torn down).
   [[noreturn]] void fail_job(std::exception_ptr error);
 
  private:

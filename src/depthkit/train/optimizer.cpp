@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -16,19 +17,48 @@
 
 namespace depthkit {
 
-ParameterShard ParameterShard::of(int64_t total, int64_t rank, int64_t ranks) {
+ParameterShard ParameterShard::of(const std::vector<int64_t>& sizes, int64_t rank, int64_t ranks) {
+  constexpr int64_t kAlign = 64;  // elements: a whole number of vectors of any width ATen uses
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  const int64_t ideal = (total + ranks - 1) / ranks;
   ParameterShard s;
-  s.chunk = (total + ranks - 1) / ranks;
-  s.begin = std::min(total, rank * s.chunk);
-  s.end = std::min(total, s.begin + s.chunk);
+  for (int64_t r = 0; r <= ranks; ++r) {
+    const int64_t b = std::min(total, r * ideal);
+    int64_t start = 0, snapped = b;
+    for (int64_t n : sizes) {  // the parameter that b falls in
+      if (b < start + n) {
+        snapped = start + (b - start) / kAlign * kAlign;
+        break;
+      }
+      start += n;
+    }
+    s.bounds.push_back(std::max(snapped, s.bounds.empty() ? int64_t(0) : s.bounds.back()));
+  }
+  for (int64_t r = 0; r < ranks; ++r) s.chunk = std::max(s.chunk, s.bounds[r + 1] - s.bounds[r]);
+  s.begin = s.bounds[rank];
+  s.end = s.bounds[rank + 1];
   return s;
+}
+
+at::Tensor ParameterShard::unpad(const at::Tensor& gathered) const {
+  std::vector<at::Tensor> parts;
+  for (size_t r = 0; r + 1 < bounds.size(); ++r)
+    parts.push_back(gathered.narrow(0, int64_t(r) * chunk, bounds[r + 1] - bounds[r]));
+  return at::cat(parts);
+}
+
+std::vector<int64_t> AdamW::sizes(const ParameterStore& params) {
+  std::vector<int64_t> out;
+  for (const auto& p : params.all()) out.push_back(p.tensor.numel());
+  return out;
 }
 
 AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard)
     : params_(params), cfg_(cfg) {
   const auto& ps = params_.all();
   for (const auto& p : ps) total_ += p.tensor.numel();
-  shard_ = shard ? *shard : ParameterShard::of(total_, 0, 1);
+  shard_ = shard ? *shard : ParameterShard::of(sizes(params_), 0, 1);
   int64_t start = 0;  // of parameter i in the concatenation
   for (size_t i = 0; i < ps.size(); ++i) {
     const int64_t n = ps[i].tensor.numel();
@@ -73,12 +103,12 @@ at::Tensor AdamW::shard_of_parameters() const {
   return out;
 }
 
-void AdamW::set_parameters(const at::Tensor& all_shards) const {
+void AdamW::set_parameters(const at::Tensor& all) const {
   at::NoGradGuard no_grad;
   int64_t start = 0;
   for (const auto& p : params_.all()) {
     const int64_t n = p.tensor.numel();
-    p.tensor.view(-1).copy_(all_shards.narrow(0, start, n));
+    p.tensor.view(-1).copy_(all.narrow(0, start, n));
     start += n;
   }
 }

@@ -25,15 +25,24 @@ class ParameterStore;
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // The elements [begin, end) of the concatenated parameters that rank `rank` of `ranks` owns:
-// shares of `chunk` = ⌈total / ranks⌉ elements (the last may be shorter or empty). Flat shard
-// tensors are `chunk` long on every rank, zero past `end`, so that ranks all-gather equal lengths.
+// about ⌈total / ranks⌉ each, each boundary moved back to a multiple of 64 elements from the start
+// of the parameter it falls in, so that every element is updated by the same code path as
+// unsharded (ATen's elementwise kernels round a vectorised body and a scalar tail differently).
+// Flat shard tensors are `chunk` (the largest share) long on every rank, zero past the share,
+// so that ranks all-gather equal lengths.
 struct ParameterShard {
   int64_t begin = 0, end = 0, chunk = 0;
-  static ParameterShard of(int64_t total, int64_t rank, int64_t ranks);
+  std::vector<int64_t> bounds;  // rank r owns [bounds[r], bounds[r + 1])
+  static ParameterShard of(const std::vector<int64_t>& parameter_sizes, int64_t rank, int64_t ranks);
+  // Every rank's flat shard laid end to end ([ranks · chunk], as all-gathered) → the [total]
+  // elements in order.
+  at::Tensor unpad(const at::Tensor& gathered) const;
 };
 
 class AdamW {
  public:
+  // The shards of these parameters (their sizes in registration order).
+  static std::vector<int64_t> sizes(const ParameterStore& params);
   // State and updates for the elements of `shard` (default: every element).
   AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard = std::nullopt);
   void step(double lr);
@@ -43,16 +52,16 @@ class AdamW {
   // The bytes of the moments this rank keeps.
   int64_t state_bytes() const;
 
-  // The shard's elements of the parameters, flat [chunk]; and the inverse for every rank's shard
-  // laid end to end ([ranks · chunk]): the parameters after the ZeRO-1 all-gather.
+  // The shard's elements of the parameters, flat [chunk]; and every element from [total] values
+  // (the all-gathered shards, unpadded): the parameters after the ZeRO-1 all-gather.
   at::Tensor shard_of_parameters() const;
-  void set_parameters(const at::Tensor& all_shards) const;
+  void set_parameters(const at::Tensor& all) const;
   // The shard's moments, flat [chunk] each.
   const at::Tensor& exp_avg() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
 
   // "exp_avg.<param>", "exp_avg_sq.<param>" and "step", for the checkpoint. Needs the moments of
-  // every element: this optimizer's own (one rank), or every rank's flat moments laid end to end.
+  // every element: this optimizer's own (one rank), or every rank's, all-gathered and unpadded.
   NamedTensors state() const;
   NamedTensors state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const;
   // Takes the shard's elements from a checkpoint's full state.

@@ -171,8 +171,12 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
         if (ckpt->state.data.index > train_data.windows(T))
           fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
                train_data.windows(T), " windows of the training split");
+        // Nothing left to train: report it and leave every file of the run as it is. (Without a
+        // summary of this step the run died between its final checkpoint and its summary: that
+        // is finished below.)
+        complete = ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step;
         const int64_t saved_batch = ckpt->state.global_batch;
-        if (saved_batch != 0 && saved_batch != global_batch) {
+        if (!complete && saved_batch != 0 && saved_batch != global_batch) {
           const int64_t per_rank = ranks * cfg.train.micro_batch;
           fail(state_path, ": the run was trained with a global batch of ", saved_batch, " sequences a step; ", ranks,
                " ranks x train.grad_accum ", cfg.train.grad_accum, " x train.micro_batch ", cfg.train.micro_batch,
@@ -180,88 +184,84 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
                saved_batch % per_rank == 0 ? cat(" (resume it with --set train.grad_accum=", saved_batch / per_rank, ")")
                                            : std::string(" (keep the product of the three)"));
         }
-        // Nothing left to train: report it and leave every file of the run as it is. (Without a
-        // summary of this step the run died between its final checkpoint and its summary: that
-        // is finished below.)
-        complete = ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step;
       }
     } catch (...) {
-      if (created && lock) fs::remove_all(run_dir, ec);
       error = std::current_exception();
     }
   }
-  world.agree(!error, "start-up");
-  if (error) std::rethrow_exception(error);
-  // Every rank resumes from the checkpoint rank 0 chose under the lock.
-  at::Tensor chosen = at::empty({2}, at::kLong);
-  chosen.data_ptr<int64_t>()[0] = ckpt ? ckpt->state.step : -1;
-  chosen.data_ptr<int64_t>()[1] = complete;
-  world.broadcast(chosen);
-  const int64_t resume_step = chosen.data_ptr<int64_t>()[0];
-  if (chosen.data_ptr<int64_t>()[1]) {
-    TrainResult done;
-    done.step = resume_step;
-    done.complete = true;
-    return done;
-  }
-
-  std::optional<Transformer> model_slot;
-  std::optional<AdamW> optim_slot;
-  TrainerState st;
-  int64_t memory_base = 0;
-  const at::Device device = at::kCPU;
-  try {
-    if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
-    // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
-    Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
-    TensorMemory::install();  // counts from here: the model, its optimizer state, every step
-    memory_base = TensorMemory::current_bytes();
-    TensorMemory::reset_peak();
-    model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed));
-    const int64_t n_params = model_slot->parameters().count();
-    optim_slot.emplace(model_slot->parameters(), cfg.optim,
-                       cfg.train.zero ? ParameterShard::of(n_params, world.rank(), ranks) : ParameterShard::of(n_params, 0, 1));
-    st.seed = cfg.train.seed;
-    if (ckpt) {
-      model_slot->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
-      optim_slot->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
-      st = ckpt->state;
-      restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
-    }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  world.agree(!error, "start-up");
-  if (error) {
-    if (created && lock) fs::remove_all(run_dir, ec);
-    std::rethrow_exception(error);
-  }
-  Transformer& model = *model_slot;
-  AdamW& optim = *optim_slot;
-  // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
-  for (const auto& p : model.parameters().all()) {
-    at::Tensor data = p.tensor.detach();
-    world.broadcast(data);
-  }
-  std::vector<at::Tensor> param_tensors;
-  for (const auto& p : model.parameters().all()) param_tensors.push_back(p.tensor);
-  const std::unique_ptr<GradientReducer> reducer = world.gradient_reducer(param_tensors);
-  const bool sharded = cfg.train.zero && ranks > 1;
-
-  // A fresh run that fails on bad input before its first checkpoint (a token id past the
-  // vocabulary in a window, a shard that changed) leaves no half-made run directory behind. A run
-  // that diverges keeps its directory: its metrics show how.
-  bool saved = false, diverged = false;
+  // From here on, a job that fails before its first checkpoint (bad input on any rank, a shard
+  // that changed, a rank that died) leaves no half-made run directory behind: rank 0 removes the
+  // one it created, while it holds the lock, or puts back the files it changed in an existing
+  // one. A run that diverges keeps its directory: its metrics show how.
+  bool saved = false, diverged = false, touched = false;
   const fs::path config_path = run_dir / "config.toml", metrics_path = run_dir / "metrics.jsonl";
   std::optional<std::string> old_config, old_metrics;
-  if (root && fs::exists(config_path)) old_config = read_file(config_path);
-  if (root && fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
+  if (lock && !error) {
+    if (fs::exists(config_path)) old_config = read_file(config_path);
+    if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
+  }
   try {
+    world.agree(!error, "start-up");
+    if (error) std::rethrow_exception(error);
+    // Every rank resumes from the checkpoint rank 0 chose under the lock.
+    at::Tensor chosen = at::empty({2}, at::kLong);
+    chosen.data_ptr<int64_t>()[0] = ckpt ? ckpt->state.step : -1;
+    chosen.data_ptr<int64_t>()[1] = complete;
+    world.broadcast(chosen);
+    const int64_t resume_step = chosen.data_ptr<int64_t>()[0];
+    if (chosen.data_ptr<int64_t>()[1]) {
+      TrainResult done;
+      done.step = resume_step;
+      done.complete = true;
+      return done;
+    }
+
+    std::optional<Transformer> model_slot;
+    std::optional<AdamW> optim_slot;
+    TrainerState st;
+    int64_t memory_base = 0;
+    const at::Device device = at::kCPU;
+    try {
+      if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
+      // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
+      Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
+      TensorMemory::install();  // counts from here: the model, its optimizer state, every step
+      memory_base = TensorMemory::current_bytes();
+      TensorMemory::reset_peak();
+      model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed));
+      const std::vector<int64_t> sizes = AdamW::sizes(model_slot->parameters());
+      optim_slot.emplace(model_slot->parameters(), cfg.optim,
+                         ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
+      st.seed = cfg.train.seed;
+      if (ckpt) {
+        model_slot->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
+        optim_slot->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
+        st = ckpt->state;
+        restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    world.agree(!error, "start-up");
+    if (error) std::rethrow_exception(error);
+    Transformer& model = *model_slot;
+    AdamW& optim = *optim_slot;
+    // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
+    for (const auto& p : model.parameters().all()) {
+      at::Tensor data = p.tensor.detach();
+      world.broadcast(data);
+    }
+    std::vector<at::Tensor> param_tensors;
+    for (const auto& p : model.parameters().all()) param_tensors.push_back(p.tensor);
+    const std::unique_ptr<GradientReducer> reducer = world.gradient_reducer(param_tensors);
+    const bool sharded = cfg.train.zero && ranks > 1;
+
     const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
     BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
     LoggedStep logged;
     std::optional<MetricsLog> metrics;
     if (root) {
+      touched = true;
       write_file_atomic(config_path, cfg.to_toml());
       logged = truncate_metrics(metrics_path, st.step);
       metrics.emplace(metrics_path);
@@ -283,7 +283,8 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     // The optimizer's full state for a checkpoint: gathered from every rank's shard under ZeRO-1.
     auto optimizer_state = [&]() {
       if (!sharded) return optim.state();
-      return optim.state(world.all_gather(optim.exp_avg()), world.all_gather(optim.exp_avg_sq()));
+      const ParameterShard& shard = optim.shard();
+      return optim.state(shard.unpad(world.all_gather(optim.exp_avg())), shard.unpad(world.all_gather(optim.exp_avg_sq())));
     };
     auto checkpoint = [&]() {
       st.data = loader.position();
@@ -324,7 +325,15 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
         reducer->begin_micro_step(m == cfg.train.grad_accum - 1);
         at::Tensor loss = model.loss(batch) / double(cfg.train.grad_accum);
         reducer->before_backward();
-        loss.backward();
+        try {
+          loss.backward();
+        } catch (const std::exception& e) {
+          // The last micro-step's backward also averages the gradients across ranks: a failure
+          // there that is not this rank's own (an allocation) is the collective's.
+          if (ranks > 1 && m == cfg.train.grad_accum - 1 && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
+            throw CollectiveError(one_line(e));
+          throw;
+        }
         loss_sum += loss.item<double>();
       }
       // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
@@ -344,7 +353,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
              last ? last->string() : "none");
       }
       optim.step(lr);
-      if (sharded) optim.set_parameters(world.all_gather(optim.shard_of_parameters()));  // ZeRO-1
+      if (sharded) optim.set_parameters(optim.shard().unpad(world.all_gather(optim.shard_of_parameters())));  // ZeRO-1
       step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
       ++st.step;
       st.tokens_seen += tokens_per_step;
@@ -410,10 +419,10 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
     return result;
   } catch (...) {
-    if (root && !saved && !diverged) {
+    if (lock && !saved && !diverged) {
       if (created) {
         fs::remove_all(run_dir, ec);
-      } else {  // a resumed run: config.toml and metrics.jsonl as they were
+      } else if (touched) {  // a resumed run: config.toml and metrics.jsonl as they were
         if (old_config) write_file_atomic(config_path, *old_config);
         if (old_metrics) write_file_atomic(metrics_path, *old_metrics);
       }

@@ -28,12 +28,16 @@ Building::~Building() {
 
 std::string Building::current() { return g_building ? g_building->what_ : ""; }
 
+bool is_out_of_memory(const std::exception& e) {
+  return dynamic_cast<const std::bad_alloc*>(&e) != nullptr ||
+         std::string_view(e.what()).find("can't allocate memory") != std::string_view::npos;
+}
+
 std::string error_line(const std::exception& e) {
   const std::string failed_building = std::exchange(g_failed_building, "");
   std::string msg;
   const std::string what = e.what();
-  const bool out_of_memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr ||
-                             what.find("can't allocate memory") != std::string::npos;
+  const bool out_of_memory = is_out_of_memory(e);
   if (dynamic_cast<const Error*>(&e)) {
     msg = what;
   } else if (out_of_memory) {

@@ -49,6 +49,9 @@ class Building {
   const Building* outer_;
 };
 
+// An allocation failure: std::bad_alloc, or LibTorch's "can't allocate memory".
+bool is_out_of_memory(const std::exception& e);
+
 // The one line the CLI prints for any exception: depthkit::Error as it is; an allocation failure
 // (std::bad_alloc, or LibTorch's "can't allocate memory") as "out of memory while building ...";
 // anything else cut to its first line. Control characters are escaped, so it stays one line.
