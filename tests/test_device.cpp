@@ -1,0 +1,82 @@
+// train.device: resolving it (util/device.h) and the device counters' answers on the CPU. The
+// CUDA cases hold on any machine: with no GPU visible (this project's CI, even with a CUDA build
+// of LibTorch) "cuda" must be refused in one line naming the key; with one, it must resolve to it.
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <optional>
+
+#include "depthkit/util/device.h"
+#include "helpers.h"
+
+namespace depthkit {
+namespace {
+
+using test::expect_error;
+
+int64_t visible_gpus() { return at::detail::getCUDAHooks().getNumGPUs(); }
+
+// Sets LOCAL_RANK for one scope and puts back what was there.
+struct LocalRank {
+  std::optional<std::string> saved;
+  explicit LocalRank(const char* value) {
+    if (const char* old = std::getenv("LOCAL_RANK")) saved = old;
+    if (value) setenv("LOCAL_RANK", value, 1);
+    else unsetenv("LOCAL_RANK");
+  }
+  ~LocalRank() {
+    if (saved) setenv("LOCAL_RANK", saved->c_str(), 1);
+    else unsetenv("LOCAL_RANK");
+  }
+};
+
+TEST(Device, CpuResolvesToTheCpuWhateverTheLocalRank) {
+  EXPECT_EQ(resolve_device("cpu", 0), at::Device(at::kCPU));
+  EXPECT_EQ(resolve_device("cpu", 5), at::Device(at::kCPU));
+}
+
+TEST(Device, CudaResolvesToTheLocalRanksGpuOrIsRefusedNamingTheKey) {
+  if (visible_gpus() == 0) {
+    expect_error([] { resolve_device("cuda", 0); }, {"train.device", "cuda"});
+  } else {
+    EXPECT_EQ(resolve_device("cuda", 0), at::Device(at::kCUDA, 0));
+    EXPECT_EQ(resolve_device("cuda", visible_gpus() - 1), at::Device(at::kCUDA, at::DeviceIndex(visible_gpus() - 1)));
+  }
+  // A rank past the devices seen (none, or fewer than 4096) and a negative rank.
+  expect_error([] { resolve_device("cuda", 4096); }, {"train.device"});
+  expect_error([] { resolve_device("cuda", -1); }, {"train.device", "-1"});
+  expect_error([] { resolve_device("tpu", 0); }, {"train.device", "tpu"});
+}
+
+TEST(Device, LocalRankComesFromTheEnvironment) {
+  {
+    LocalRank unset(nullptr);
+    EXPECT_EQ(local_rank_from_env(), 0);
+  }
+  {
+    LocalRank three("3");
+    EXPECT_EQ(local_rank_from_env(), 3);
+  }
+  for (const char* bad : {"", "x", "-1", "1.5", "3 ", "99999999999999999999"}) {
+    LocalRank r(bad);
+    expect_error([] { local_rank_from_env(); }, {"LOCAL_RANK"});
+  }
+}
+
+TEST(Device, CountersAnswerUnknownForTheCpu) {
+  const at::Device cpu(at::kCPU);
+  EXPECT_EQ(device_allocated_bytes(cpu), -1);
+  EXPECT_EQ(device_peak_bytes(cpu), -1);
+  reset_device_peak(cpu);  // nothing to reset, nothing to wait for
+  synchronize(cpu);
+}
+
+TEST(Device, ConfigAcceptsCpuAndCudaOnly) {
+  EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cuda"}).train.device, "cuda");
+  EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cpu"}).train.device, "cpu");
+  expect_error([] { Config::parse("", "x.toml", {"train.steps=1", "train.device=tpu"}); }, {"train.device", "tpu"});
+}
+
+}  // namespace
+}  // namespace depthkit
