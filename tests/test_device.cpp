@@ -1,12 +1,14 @@
-// train.device: resolving it (util/device.h) and the device counters' answers on the CPU. The
-// CUDA cases hold on any machine: with no GPU visible (this project's CI, even with a CUDA build
-// of LibTorch) "cuda" must be refused in one line naming the key; with one, it must resolve to it.
+// train.device: resolving it (util/device.h), the device counters' answers on the CPU, and bench
+// on the resolved device. The CUDA cases hold on any machine: with no GPU visible (this project's
+// CI, even with a CUDA build of LibTorch) "cuda" must be refused in one line naming the key; with
+// one, it must resolve to it.
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <optional>
 
+#include "depthkit/train/bench.h"
 #include "depthkit/util/device.h"
 #include "helpers.h"
 
@@ -76,6 +78,29 @@ TEST(Device, ConfigAcceptsCpuAndCudaOnly) {
   EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cuda"}).train.device, "cuda");
   EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cpu"}).train.device, "cpu");
   expect_error([] { Config::parse("", "x.toml", {"train.steps=1", "train.device=tpu"}); }, {"train.device", "tpu"});
+}
+
+TEST(Device, BenchRunsOnTheResolvedDevice) {
+  test::TempDir tmp;
+  Config cfg = test::small_config(tmp.str("data"));
+  const std::vector<BenchResult> cpu = run_bench_kinds(cfg, {"residual", "dar"}, 2, 1);
+  ASSERT_EQ(cpu.size(), 2u);
+  for (const BenchResult& r : cpu) {
+    EXPECT_EQ(r.device, "cpu");
+    EXPECT_EQ(r.peak_device_bytes, -1);  // the CPU's tensors are peak_tensor_bytes
+    EXPECT_GT(r.peak_tensor_bytes, 0);
+    EXPECT_GT(r.tokens_per_s, 0);
+  }
+  cfg.train.device = "cuda";
+  if (visible_gpus() == 0) {
+    expect_error([&] { run_bench(cfg, 1, 0); }, {"train.device"});
+  } else {
+    const BenchResult r = run_bench(cfg, 2, 1);
+    EXPECT_EQ(r.device, "cuda:0");
+#ifdef DEPTHKIT_WITH_CUDA
+    EXPECT_GT(r.peak_device_bytes, 0);
+#endif
+  }
 }
 
 }  // namespace
