@@ -7,7 +7,8 @@ Parity: every operator that has a CUDA kernel runs on identical inputs on the CP
 the test suite holds equal to the reference compositions) and on the GPU; the forward outputs and
 every input gradient (of a random weighting of the outputs) are compared: float32 within 1e-4
 relative (to max(1, max |CPU value|)), float64 within 1e-10, bfloat16 within 2e-2. Operators
-without a CUDA kernel are listed as such. Bandwidth: the fused depth_read forward's bytes to move
+without a CUDA kernel are listed as such, and a CUDA kernel registered for an operator that no
+case here runs (a new kernel without its check) fails the check. Bandwidth: the fused depth_read forward's bytes to move
 (keys read, output and log-partition written) over its median time, against a device-to-device
 copy of the keys measured in the same run. Prints one table; --out DIR also writes gpu_ops.json.
 """
@@ -51,6 +52,19 @@ def cases(gen):
         [r(P, d), r(P), r(d), r(P, d), r(P, d)]
     yield "depth_merge (value = key)", lambda o, l, q, k: ops.depth_merge(o, l, q, k, None, EPS), \
         [r(P, d), r(P), r(d), r(P, d)]
+
+
+def registered_cuda_kernels():
+    """(the depthkit operators with a CUDA kernel, those without): what the loaded library registered."""
+    names = sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("depthkit::"))
+    cuda = [n for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(f"depthkit::{n}", "CUDA")]
+    return cuda, [n for n in names if n not in cuda]
+
+
+def unchecked(cuda_kernels):
+    """CUDA kernels no parity case exercises (a case runs an op forward and, through autograd, its _backward)."""
+    checked = {name.split()[0] for name, _, _ in cases(torch.Generator())}
+    return [n for n in cuda_kernels if n.removesuffix("_backward") not in checked]
 
 
 def parity():
@@ -116,8 +130,10 @@ def main():
         print("gpu_ops: error: no CUDA device visible to torch", file=sys.stderr)
         return 1
     torch.ops.load_library(a.lib)
+    cuda_kernels, no_cuda_kernel = registered_cuda_kernels()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "parity": parity(), "bandwidth": bandwidth()}
+              "cuda_kernels": cuda_kernels, "unchecked_cuda_kernels": unchecked(cuda_kernels),
+              "no_cuda_kernel": no_cuda_kernel, "parity": parity(), "bandwidth": bandwidth()}
     print(f"{result['device']}, torch {result['torch']}")
     print(f"{'op':30} {'dtype':9} {'worst rel err':>14} {'tolerance':>10}  status")
     for r in result["parity"]:
@@ -128,11 +144,16 @@ def main():
     for r in result["bandwidth"]:
         print(f"{r['shape']:30} {r['dtype']:9} {r['read_ms']:8.3f} {r['read_gbs']:8.1f} {r['copy_gbs']:10.1f} "
               f"{100 * r['fraction_of_copy']:7.1f}%")
+    print(f"\nCUDA kernels: {', '.join(cuda_kernels) or 'none'}")
+    print(f"no CUDA kernel: {', '.join(no_cuda_kernel) or 'none'}")
+    if result["unchecked_cuda_kernels"]:
+        print(f"FAIL: CUDA kernels no case checks: {', '.join(result['unchecked_cuda_kernels'])} (add them to cases())")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_ops.json"), "w") as fh:
             json.dump(result, fh, indent=1)
-    return 0 if all(r["status"] in ("ok", "no CUDA kernel") for r in result["parity"]) else 1
+    parity_ok = all(r["status"] in ("ok", "no CUDA kernel") for r in result["parity"])
+    return 0 if parity_ok and not result["unchecked_cuda_kernels"] else 1
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
 }  // namespace
 
 void add_bench(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("bench", "time training steps on random tokens, or the fused operators (--ops)");
+  auto* cmd = app.add_subcommand("bench", "time training steps on random tokens (on train.device), or the fused "
+                                          "operators (--ops)");
   struct Args {
     std::string config, kinds, ops;
     std::vector<std::string> sets;
@@ -123,27 +124,39 @@ void add_bench(CLI::App& app, Action& action) {
                           {"overhead", r.median_step_s / base - 1.0},
                           {"peak_rss_bytes", r.peak_rss_bytes},
                           {"peak_tensor_bytes", r.peak_tensor_bytes},
+                          {"device", r.device},
+                          // null: not counted (the CPU, whose tensors peak_tensor_bytes counts)
+                          {"peak_device_bytes", r.peak_device_bytes >= 0 ? nlohmann::json(r.peak_device_bytes)
+                                                                         : nlohmann::json(nullptr)},
                           {"step_s", r.step_s}});
         if (a->profile > 0)
           for (size_t k = 0; k < results.size(); ++k) runs[k]["profile"] = profile_json(results[k]);
         std::printf("%s\n", (a->kinds.empty() ? runs[0] : nlohmann::json{{"runs", runs}}).dump().c_str());
         return 0;
       }
+      const bool device_memory = results[0].peak_device_bytes >= 0;
       if (a->kinds.empty()) {
         const BenchResult& r = results[0];
-        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak tensor memory %.1f MiB, peak RSS %.1f MiB "
-                    "(%lld steps after %lld warm-up)\n",
+        const std::string device_peak =
+            device_memory ? cat(", peak ", r.device, " memory ", double(r.peak_device_bytes) / (1 << 20), " MiB") : "";
+        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak tensor memory %.1f MiB%s, peak RSS %.1f MiB "
+                    "(%lld steps after %lld warm-up, on %s)\n",
                     r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
-                    double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps, (long long)a->warmup);
+                    device_peak.c_str(), double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps,
+                    (long long)a->warmup, r.device.c_str());
         if (a->profile > 0) print_profile(r, a->top);
         return 0;
       }
-      std::printf("%-14s %12s %12s %10s %12s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld)\n",
-                  "kind", "step ms", "tokens/s", "overhead", "tensor MiB", (long long)a->steps, (long long)a->warmup,
-                  (long long)cfg.residual.block_sublayers);
+      // On a GPU the memory that matters is the device's; the CPU's tensors are then only the batches.
+      std::printf("%-14s %12s %12s %10s %12s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld; "
+                  "on %s)\n",
+                  "kind", "step ms", "tokens/s", "overhead", device_memory ? "device MiB" : "tensor MiB",
+                  (long long)a->steps, (long long)a->warmup, (long long)cfg.residual.block_sublayers,
+                  results[0].device.c_str());
       for (const auto& r : results)
         std::printf("%-14s %12.2f %12.0f %9.1f%% %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
-                    100.0 * (r.median_step_s / base - 1.0), double(r.peak_tensor_bytes) / (1 << 20));
+                    100.0 * (r.median_step_s / base - 1.0),
+                    double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20));
       if (a->profile > 0)
         for (const auto& r : results) print_profile(r, a->top);
       return 0;

@@ -68,7 +68,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "keep_checkpoints", &t.keep_checkpoints, 1, 1 << 20},
       {"train", "log_every", &t.log_every, 1, kInf},
       {"train", "threads", &t.threads, 0, 4096},
-      {"train", "device", &t.device, -kInf, kInf, {"cpu"}},
+      {"train", "device", &t.device, -kInf, kInf, {"cpu", "cuda"}},
       {"train", "backend", &t.backend, -kInf, kInf, {"auto", "gloo", "nccl"}},
       {"train", "zero", &t.zero, 0, 1},
       {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},

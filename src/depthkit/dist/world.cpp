@@ -63,8 +63,10 @@ LaunchEnv LaunchEnv::from_environment() {
   LaunchEnv e;
   e.world_size = env_int("WORLD_SIZE", 1, 1, 1 << 20);
   e.rank = env_int("RANK", 0, 0, e.world_size - 1);
+  // LOCAL_RANK picks the GPU; a single process may set it alone (LOCAL_RANK=1: the second GPU).
+  const bool local_size_given = env("LOCAL_WORLD_SIZE").has_value();
   e.local_world_size = env_int("LOCAL_WORLD_SIZE", e.world_size, 1, e.world_size);
-  e.local_rank = env_int("LOCAL_RANK", e.rank % e.local_world_size, 0, e.local_world_size - 1);
+  e.local_rank = env_int("LOCAL_RANK", e.rank % e.local_world_size, 0, local_size_given ? e.local_world_size - 1 : 1 << 20);
   if (e.world_size > 1) {
     const auto addr = env("MASTER_ADDR");
     if (!addr || addr->empty()) fail("environment variable MASTER_ADDR is not set (WORLD_SIZE is ", e.world_size, ")");

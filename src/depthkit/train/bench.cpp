@@ -10,43 +10,72 @@
 #include <chrono>
 #include <memory>
 
+#include "depthkit/dist/world.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
+#include "depthkit/util/device.h"
 #include "depthkit/util/memory.h"
 
 namespace depthkit {
 
 namespace {
 
+// A kind's memory, counted in the same way on either device: the bytes it keeps between steps
+// (parameters, optimizer state) plus the largest rise during one of its steps. The CPU's counter
+// is TensorMemory (util/memory.h); a CUDA device's is its caching allocator (util/device.h).
+struct MemoryCounter {
+  at::Device device;
+  int64_t current() const { return device.is_cpu() ? TensorMemory::current_bytes() : device_allocated_bytes(device); }
+  int64_t peak() const { return device.is_cpu() ? TensorMemory::peak_bytes() : device_peak_bytes(device); }
+  void reset_peak() const {
+    if (device.is_cpu()) TensorMemory::reset_peak();
+    else reset_device_peak(device);
+  }
+  bool available() const { return current() >= 0; }  // false: a build without DEPTHKIT_CUDA
+};
+
 // One model with its optimizer and token generator: a training step on random tokens.
 struct Bench {
   Config cfg;
+  at::Device device;
   Transformer model;
   AdamW optim;
   at::Generator gen;
   int64_t own_bytes = 0;   // tensor storage this kind keeps between steps (parameters, optimizer state)
   int64_t peak_bytes = 0;  // own_bytes + the largest step's transient tensors
-  explicit Bench(const Config& c)
-      : cfg(c), model(c.model, c.residual, at::kCPU, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
+  int64_t own_device_bytes = 0, peak_device_bytes = 0;  // the same on a CUDA device
+  Bench(const Config& c, at::Device d)
+      : cfg(c), device(d), model(c.model, c.residual, d, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
         gen(at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed))) {}
   // A step, counting this kind's tensor memory (the other kinds' tensors do not change meanwhile).
   double measured_step() {
-    const int64_t start = TensorMemory::current_bytes();
-    TensorMemory::reset_peak();
+    const MemoryCounter cpu{at::kCPU}, dev{device};
+    const bool on_device = !device.is_cpu() && dev.available();
+    const int64_t start = cpu.current(), device_start = on_device ? dev.current() : 0;
+    cpu.reset_peak();
+    if (on_device) dev.reset_peak();
     const double s = step();
-    peak_bytes = std::max(peak_bytes, own_bytes + TensorMemory::peak_bytes() - start);
-    own_bytes += TensorMemory::current_bytes() - start;  // state allocated at the first step
+    peak_bytes = std::max(peak_bytes, own_bytes + cpu.peak() - start);
+    own_bytes += cpu.current() - start;  // state allocated at the first step
+    if (on_device) {
+      peak_device_bytes = std::max(peak_device_bytes, own_device_bytes + dev.peak() - device_start);
+      own_device_bytes += dev.current() - device_start;
+    }
     return s;
   }
   double step() {
+    // The tokens are drawn on the CPU, so that a seed gives the same batches on every device.
     std::vector<at::Tensor> batches;
     for (int64_t m = 0; m < cfg.train.grad_accum; ++m)
-      batches.push_back(at::randint(cfg.model.vocab_size, {cfg.train.micro_batch, cfg.model.seq_len + 1}, gen));
+      batches.push_back(
+          at::randint(cfg.model.vocab_size, {cfg.train.micro_batch, cfg.model.seq_len + 1}, gen).to(device));
+    synchronize(device);  // the copies (and anything queued before) are not this step's time
     auto t0 = std::chrono::steady_clock::now();
     model.parameters().zero_grad();
     for (const auto& b : batches) (model.loss(b) / double(cfg.train.grad_accum)).backward();
     clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
     optim.step(cfg.optim.lr);
+    synchronize(device);  // CUDA returns before its kernels finish
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 };
@@ -66,12 +95,19 @@ void summarise(BenchResult& r, int64_t tokens_per_step) {
 std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
                                          int64_t warmup, int64_t profile_steps) {
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  // One process is one GPU: LOCAL_RANK picks it, as for training (and means nothing on the CPU).
+  const at::Device device =
+      resolve_device(cfg.train.device, cfg.train.device == "cpu" ? 0 : LaunchEnv::from_environment().local_rank);
   TensorMemory::install();
+  const MemoryCounter cpu{at::kCPU}, dev{device};
+  const bool on_device = !device.is_cpu() && dev.available();
   std::vector<std::unique_ptr<Bench>> benches;
   for (const auto& kind : kinds) {
-    const int64_t before = TensorMemory::current_bytes();
-    benches.push_back(std::make_unique<Bench>(Config::parse(cfg.to_toml(), "bench", {"residual.kind=" + kind})));
-    benches.back()->own_bytes = TensorMemory::current_bytes() - before;
+    const int64_t before = cpu.current(), device_before = on_device ? dev.current() : 0;
+    benches.push_back(
+        std::make_unique<Bench>(Config::parse(cfg.to_toml(), "bench", {"residual.kind=" + kind}), device));
+    benches.back()->own_bytes = cpu.current() - before;
+    if (on_device) benches.back()->own_device_bytes = dev.current() - device_before;
   }
   std::vector<BenchResult> results(kinds.size());
   for (int64_t i = 0; i < warmup + steps; ++i)
@@ -90,6 +126,8 @@ std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<st
   for (size_t k = 0; k < kinds.size(); ++k) {
     results[k].kind = kinds[k];
     results[k].peak_tensor_bytes = benches[k]->peak_bytes;
+    results[k].device = device.str();
+    results[k].peak_device_bytes = on_device ? benches[k]->peak_device_bytes : -1;
     summarise(results[k], cfg.tokens_per_step());
   }
   return results;

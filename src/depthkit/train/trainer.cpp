@@ -20,6 +20,7 @@
 #include "depthkit/train/evaluate.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/train/schedule.h"
+#include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 #include "depthkit/util/json.h"
@@ -220,7 +221,8 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     std::optional<AdamW> optim_slot;
     TrainerState st;
     int64_t memory_base = 0;
-    const at::Device device = at::kCPU;
+    // The model's device: the CPU, or this rank's GPU (LOCAL_RANK) for train.device = "cuda".
+  const at::Device device = resolve_device(cfg.train.device, opt.launch.local_rank);
     try {
       if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
       // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
@@ -228,6 +230,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       TensorMemory::install();  // counts from here: the model, its optimizer state, every step
       memory_base = TensorMemory::current_bytes();
       TensorMemory::reset_peak();
+      reset_device_peak(device);
       model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed));
       const std::vector<int64_t> sizes = AdamW::sizes(model_slot->parameters());
       optim_slot.emplace(model_slot->parameters(), cfg.optim,
@@ -407,13 +410,15 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
                               {"val_loss", result.val_loss},
                               {"val_tokens", val_tokens},
                               {"val_ppl", std::exp(result.val_loss)},
+                              {"device", cfg.train.device},
                               {"world_size", ranks},
                               {"global_batch", global_batch},
                               {"zero", cfg.train.zero},
                               {"optimizer_state_bytes_per_rank", optim.state_bytes()}};
     if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
       summary["tokens_per_s"] = tokens_here / step_seconds;
-      summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;
+      summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;  // CPU tensors
+      if (!device.is_cpu()) summary["peak_device_bytes"] = device_peak_bytes(device);  // max_memory_allocated
       summary["peak_rss_bytes"] = peak_rss_bytes();
     }
     write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
