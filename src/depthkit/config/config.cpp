@@ -69,6 +69,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "log_every", &t.log_every, 1, kInf},
       {"train", "threads", &t.threads, 0, 4096},
       {"train", "device", &t.device, -kInf, kInf, {"cpu"}},
+      {"train", "dtype", &t.dtype, -kInf, kInf, {"float32", "bfloat16"}},
       {"optim", "lr", &o.lr, 0, 10},
       {"optim", "min_lr", &o.min_lr, 0, 10},
       {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},

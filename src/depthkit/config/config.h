@@ -56,6 +56,10 @@ struct TrainConfig {
   int64_t log_every = 10;
   int64_t threads = 0;  // 0: all cores
   std::string device = "cpu";
+  // The compute dtype: "float32", or "bfloat16" for mixed precision (parameters, gradients and
+  // AdamW state stay float32; docs/design.md, "Precision"). Transformer takes it as
+  // compute_dtype(train) (model/transformer.h).
+  std::string dtype = "float32";
 };
 
 struct OptimConfig {
