@@ -27,7 +27,8 @@ struct Bench {
   int64_t own_bytes = 0;   // tensor storage this kind keeps between steps (parameters, optimizer state)
   int64_t peak_bytes = 0;  // own_bytes + the largest step's transient tensors
   explicit Bench(const Config& c)
-      : cfg(c), model(c.model, c.residual, at::kCPU, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
+      : cfg(c), model(c.model, c.residual, at::kCPU, uint64_t(c.train.seed), at::kFloat, compute_dtype_of(c.train)),
+        optim(model.parameters(), c.optim),
         gen(at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed))) {}
   // A step, counting this kind's tensor memory (the other kinds' tensors do not change meanwhile).
   double measured_step() {

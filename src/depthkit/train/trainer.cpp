@@ -169,7 +169,7 @@ TrainResult train(const TrainOptions& opt) {
     TensorMemory::install();  // counts from here: the model, its optimizer state, every step
     memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
-    model_slot.emplace(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
+    model_slot.emplace(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed), at::kFloat, compute_dtype_of(cfg.train));
     optim_slot.emplace(model_slot->parameters(), cfg.optim);
     st.seed = cfg.train.seed;
     if (ckpt) {
