@@ -211,7 +211,7 @@ class Fuzz : public ::testing::Test {
             "residual.kernels", "residual.conv", "residual.fusion", "residual.sinkhorn_iters", "residual.impl",
             "data.dir", "train.micro_batch", "train.grad_accum", "train.steps", "train.tokens", "train.seed",
             "train.data_seed", "train.eval_every", "train.eval_tokens", "train.checkpoint_every",
-            "train.keep_checkpoints", "train.log_every", "train.threads", "train.device", "optim.lr", "optim.min_lr",
+            "train.keep_checkpoints", "train.log_every", "train.threads", "train.device", "train.dtype", "train.backend", "train.zero", "train.timeout_s", "optim.lr", "optim.min_lr",
             "optim.warmup_steps", "optim.schedule", "optim.decay_fraction", "optim.weight_decay", "optim.beta1",
             "optim.beta2", "optim.eps", "optim.grad_clip"};
   }

@@ -29,7 +29,8 @@ int run_eval(const EvalArgs& a) {
   Checkpoint ck = load_checkpoint(*dir, false);
   Config ck_cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
-  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0);
+  // In the precision the run trained in (train.dtype), so that it reproduces the run's own evaluation.
+  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0, at::kFloat, compute_dtype_of(ck_cfg.train));
   model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
   const std::string data_dir = a.data.empty() ? ck_cfg.data.dir : a.data;
   TokenDataset val(data_dir, "val", ck_cfg.model.vocab_size);

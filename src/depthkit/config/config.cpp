@@ -72,6 +72,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "backend", &t.backend, -kInf, kInf, {"auto", "gloo", "nccl"}},
       {"train", "zero", &t.zero, 0, 1},
       {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},
+      {"train", "dtype", &t.dtype, -kInf, kInf, {"float32", "bfloat16"}},
       {"optim", "lr", &o.lr, 0, 10},
       {"optim", "min_lr", &o.min_lr, 0, 10},
       {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},

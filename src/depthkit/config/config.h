@@ -56,6 +56,10 @@ struct TrainConfig {
   int64_t log_every = 10;
   int64_t threads = 0;  // 0: all cores (OMP_NUM_THREADS when set; --nproc gives each rank its share)
   std::string device = "cpu";
+  // The compute dtype: "float32", or "bfloat16" for mixed precision (parameters, gradients and
+  // AdamW state stay float32; docs/design.md, "Precision"). Transformer takes it as
+  // compute_dtype(train) (model/transformer.h).
+  std::string dtype = "float32";
   // Many processes (docs/training.md): the c10d backend (auto: nccl on cuda, gloo on cpu), ZeRO
   // stage (0: every rank keeps all AdamW state; 1: sharded across ranks), and the bound on every
   // collective and on the rendezvous, after which a lost rank stops the job.

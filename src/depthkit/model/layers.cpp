@@ -14,12 +14,13 @@
 #include <cmath>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return at::rms_norm(x, {x.size(-1)}, weight, eps);
+  return at::rms_norm(x, {x.size(-1)}, cast_like(weight, x), eps);
 }
 
 Rope::Rope(int64_t head_dim, int64_t max_len, double theta, at::Device device) {
@@ -56,14 +57,14 @@ Attention::Attention(const ModelConfig& c, ParameterStore& p, const std::string&
 at::Tensor Attention::forward(const at::Tensor& h, const Rope& rope) const {
   const int64_t B = h.size(0), T = h.size(1);
   auto x = rms_norm(h, norm, eps);
-  auto q = at::linear(x, wq).view({B, T, n_heads, head_dim}).transpose(1, 2);
-  auto k = at::linear(x, wk).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
-  auto v = at::linear(x, wv).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
+  auto q = at::linear(x, cast_like(wq, x)).view({B, T, n_heads, head_dim}).transpose(1, 2);
+  auto k = at::linear(x, cast_like(wk, x)).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
+  auto v = at::linear(x, cast_like(wv, x)).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
   q = rope.apply(q);
   k = rope.apply(k);
   auto o = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
                                             /*enable_gqa=*/n_kv_heads != n_heads);
-  return at::linear(o.transpose(1, 2).reshape({B, T, n_heads * head_dim}), wo);
+  return at::linear(o.transpose(1, 2).reshape({B, T, n_heads * head_dim}), cast_like(wo, o));
 }
 
 FeedForward::FeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
@@ -78,7 +79,8 @@ FeedForward::FeedForward(const ModelConfig& c, ParameterStore& p, const std::str
 
 at::Tensor FeedForward::forward(const at::Tensor& h) const {
   auto x = rms_norm(h, norm, eps);
-  return at::linear(at::silu(at::linear(x, w_gate)) * at::linear(x, w_up), w_down);
+  auto gated = at::silu(at::linear(x, cast_like(w_gate, x))) * at::linear(x, cast_like(w_up, x));
+  return at::linear(gated, cast_like(w_down, gated));
 }
 
 }  // namespace depthkit

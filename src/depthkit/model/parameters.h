@@ -36,6 +36,7 @@ class ParameterStore {
   void load(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
   void zero_grad();
   at::Device device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
 
  private:
   at::Device device_;

@@ -4,6 +4,7 @@
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/linear.h>
 
+#include "depthkit/model/precision.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 
@@ -18,9 +19,16 @@ void Transformer::check_fits_in_memory(const ModelConfig& model, const ResidualC
          physical_memory_bytes(), " bytes of memory; reduce model.vocab_size, model.d_model, model.d_ff or model.n_layers");
 }
 
+at::ScalarType compute_dtype_of(const TrainConfig& train) {
+  return train.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+}
+
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
-                         uint64_t seed, at::ScalarType dtype)
-    : cfg_(model), params_(device, seed, dtype) {
+                         uint64_t seed, at::ScalarType dtype, std::optional<at::ScalarType> compute_dtype)
+    : cfg_(model), compute_(compute_dtype.value_or(dtype)), params_(device, seed, dtype) {
+  // The dtypes the fused operators' kernels take (ops/cpu/kernel_math.h).
+  if (compute_ != at::kFloat && compute_ != at::kDouble && compute_ != at::kBFloat16)
+    fail("the model computes in float32, float64 or bfloat16, not ", compute_);
   // A model whose weights alone exceed the machine's memory is refused before anything is allocated.
   if (!device.is_meta()) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
@@ -41,7 +49,10 @@ at::Tensor Transformer::branch(int64_t l, const at::Tensor& h) const {
   return l % 2 == 1 ? attention_[layer].forward(h, *rope_) : feed_forward_[layer].forward(h);
 }
 
-at::Tensor Transformer::embed(const at::Tensor& tokens) const { return at::embedding(embedding_, tokens); }
+at::Tensor Transformer::embed(const at::Tensor& tokens) const {
+  // The looked-up rows, not the table, are cast: the embedding's gradient stays a float32 scatter.
+  return at::embedding(embedding_, tokens).to(compute_);
+}
 
 at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
   if (!rope_) fail("model built on the meta device cannot run");
@@ -54,7 +65,9 @@ at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& afte
     if (after_branch) after_branch(l, *state);
   }
   auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
-  return at::linear(hidden, lm_head_);
+  // The head's product runs in the compute dtype; the logits, and so the cross-entropy and its
+  // log-softmax, are taken in the parameters' dtype (float32 under bfloat16 compute).
+  return at::linear(hidden, cast_like(lm_head_, hidden)).to(params_.dtype());
 }
 
 at::Tensor Transformer::loss(const at::Tensor& batch) {

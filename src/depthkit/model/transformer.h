@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,21 +22,30 @@ struct ParameterCounts {
   std::vector<std::pair<std::string, int64_t>> by_component;
 };
 
+// The compute dtype train.dtype names: float32, or bfloat16 (mixed precision).
+at::ScalarType compute_dtype_of(const TrainConfig& train);
+
 class Transformer {
  public:
-  // device kMeta builds shapes only (for counting); seed fixes the initialisation.
+  // device kMeta builds shapes only (for counting); seed fixes the initialisation. `dtype` is the
+  // parameters' dtype (float32; float64 in the tests against the papers' equations);
+  // `compute_dtype` the activations' (docs/design.md, "Precision"): absent, the parameters' dtype
+  // (nothing is cast); bfloat16 runs the embedding output, every branch and the pathway's states
+  // in bfloat16 with the parameters cast at each use, and returns logits and loss in `dtype`.
   Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed,
-              at::ScalarType dtype = at::kFloat);
+              at::ScalarType dtype = at::kFloat, std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
   // Called after branch ℓ's write with the pathway's state (analysis: states, interventions).
   using AfterBranch = std::function<void(int64_t branch, PathwayState& state)>;
 
-  // int64 [B, T] → float [B, T, V]
+  // int64 [B, T] → [B, T, V] in the parameters' dtype (float32 also when computing in bfloat16)
   at::Tensor logits(const at::Tensor& tokens, const AfterBranch& after_branch = {});
-  at::Tensor loss(const at::Tensor& batch);     // int64 [B, T+1] → mean next-token cross-entropy
+  // int64 [B, T+1] → mean next-token cross-entropy, in the parameters' dtype
+  at::Tensor loss(const at::Tensor& batch);
   ParameterStore& parameters() { return params_; }
   const ParameterStore& parameters() const { return params_; }
   const ModelConfig& config() const { return cfg_; }
+  at::ScalarType compute_dtype() const { return compute_; }
   ResidualPathway& pathway() { return *path_; }
   ParameterCounts count() const;
   // The parameters a model of this configuration has, counted without allocating (on the meta
@@ -44,11 +54,12 @@ class Transformer {
   static void check_fits_in_memory(const ModelConfig& model, const ResidualConfig& residual,
                                    int64_t bytes_per_parameter, const std::string& what);
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
-  at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d]
+  at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d], compute dtype
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
 
  private:
   ModelConfig cfg_;
+  at::ScalarType compute_;  // the activations' dtype
   ParameterStore params_;
   at::Tensor embedding_, final_norm_, lm_head_;
   std::vector<Attention> attention_;

@@ -5,6 +5,7 @@
 #include <ATen/ops/ones_like.h>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
@@ -25,7 +26,7 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
     : schedule_{residual.block_sublayers, model.n_branches()}, query_(schedule_.branches + 1),
-      fused_(residual.impl == "fused") {
+      ops_(residual.impl, params.device().type(), {"depth_read", "depth_merge"}) {
   for (int64_t l = 2; l <= schedule_.branches; ++l)
     query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
@@ -44,19 +45,21 @@ std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
 }
 
 at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
-  return value_maps_.empty() ? source : at::linear(source, value_maps_[r]);  // eq. 4, or eq. 21 (SepV)
+  // eq. 4, or eq. 21 (SepV)
+  return value_maps_.empty() ? source : at::linear(source, cast_like(value_maps_[r], source));
 }
 
 at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
                                  const at::Tensor& key_part, const at::Tensor& value_part) const {
   // vals / value_part undefined: the values are the keys (no SepV maps).
-  auto read = fused_ ? fused::depth_read : reference::depth_read;
-  auto merge = fused_ ? fused::depth_merge : reference::depth_merge;
+  auto read = ops_.fused("depth_read") ? fused::depth_read : reference::depth_read;
+  auto merge = ops_.fused("depth_merge") ? fused::depth_merge : reference::depth_merge;
+  const at::Tensor query = cast_like(q, keys);  // the operators take one dtype: the activations'
   const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
   auto flat = [&](const at::Tensor& x, at::IntArrayRef shape) { return x.defined() ? x.reshape(shape) : x; };
-  auto [out, lse] = read(q.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}), kKeyNormEps);
+  auto [out, lse] = read(query.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}), kKeyNormEps);
   at::Tensor h = key_part.defined()
-                     ? merge(out[0], lse[0], q, key_part.reshape({B * T, d}), flat(value_part, {B * T, d}), kKeyNormEps)
+                     ? merge(out[0], lse[0], query, key_part.reshape({B * T, d}), flat(value_part, {B * T, d}), kKeyNormEps)
                      : out[0];
   return h.view({B, T, d});
 }

@@ -17,6 +17,7 @@
 #pragma once
 #include <vector>
 
+#include "depthkit/ops/kernel_choice.h"
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {
@@ -31,13 +32,14 @@ class AttnRes final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
+  std::map<std::string, bool> operators() const override { return ops_.all(); }
 
  private:
   BlockSchedule schedule_;
   std::vector<at::Tensor> query_;  // [L_b + 1]; query_[ℓ] for ℓ ≥ 2, query_[0], query_[1] unused
   at::Tensor out_query_;
   std::vector<at::Tensor> value_maps_;  // attnres_sepv: [d, d] per source index; empty otherwise
-  bool fused_;                          // residual.impl = "fused": the depthkit operators
+  OperatorChoice ops_;                  // depth_read, depth_merge: fused or reference
   at::Tensor value(size_t r, const at::Tensor& source) const;  // the value of source index r
   // One read over stacked keys/values [N, B, T, d], merged with the partial when given.
   at::Tensor read_sources(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,

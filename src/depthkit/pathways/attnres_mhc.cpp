@@ -47,6 +47,12 @@ void AttnResMhc::set_observer(PathwayObserver* observer) {
   mhc_.set_observer(observer);
 }
 
+std::map<std::string, bool> AttnResMhc::operators() const {
+  std::map<std::string, bool> ops = attnres_.operators();
+  ops.merge(mhc_.operators());
+  return ops;
+}
+
 std::vector<at::Tensor> AttnResMhc::stream_states(PathwayState& state) { return mhc_.stream_states(*both(state).mhc); }
 
 void AttnResMhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {

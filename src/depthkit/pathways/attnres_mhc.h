@@ -19,6 +19,7 @@ class AttnResMhc final : public ResidualPathway {
   std::vector<at::Tensor> stream_states(PathwayState& state) override;  // mHC's m streams
   void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
   void set_observer(PathwayObserver* observer) override;
+  std::map<std::string, bool> operators() const override;  // both pathways' (they share none)
 
  private:
   AttnRes attnres_;

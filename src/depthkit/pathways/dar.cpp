@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
@@ -36,7 +37,8 @@ std::pair<int, int> route(const std::string& routing, int j) {
 
 Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : schedule_{residual.block_sublayers, model.n_branches()}, routing_(residual.routing),
-      fused_(residual.impl == "fused"), branch_(schedule_.branches + 1) {
+      ops_(residual.impl, params.device().type(), {"dar_read", "dar_write", "depth_read"}),
+      branch_(schedule_.branches + 1) {
   const int64_t d = model.d_model;
   // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
   const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
@@ -74,10 +76,12 @@ at::Tensor Dar::read(PathwayState& state, int64_t l) {
   auto [k0, v0] = route(routing_, 0);
   auto [k1, v1] = route(routing_, 1);
   // eq. 10–15: both streams' reads (the partial merged by online softmax) and the gates.
-  auto read = fused_ ? fused::dar_read : reference::dar_read;
-  fused::DarRead r = read(at::stack({b.q0, b.q1}), s.h0.stacked().view({N, B * T, d}),
-                          s.h1.stacked().view({N, B * T, d}), flat(s.p0), flat(s.p1), b.w_alpha, b.b_alpha, b.w_beta,
-                          b.b_beta, {k0, k1}, {v0, v1}, kKeyNormEps);
+  // The parameters in the activations' dtype: the operators take one dtype.
+  auto read = ops_.fused("dar_read") ? fused::dar_read : reference::dar_read;
+  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, e); };
+  fused::DarRead r = read(in_dtype(at::stack({b.q0, b.q1})), s.h0.stacked().view({N, B * T, d}),
+                          s.h1.stacked().view({N, B * T, d}), flat(s.p0), flat(s.p1), in_dtype(b.w_alpha),
+                          in_dtype(b.b_alpha), in_dtype(b.w_beta), in_dtype(b.b_beta), {k0, k1}, {v0, v1}, kKeyNormEps);
   s.beta = r.beta;
   if (observer_) {
     observe_read(state, l, b.q0, b.q1);
@@ -92,8 +96,9 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   const int64_t B = out.size(0), T = out.size(1), d = out.size(2);
   auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
   // eq. 16–17: P^i = β ⊗ f(h) at block start, M(ρ) P^{i−1} + β ⊗ f(h) after.
-  auto write = fused_ ? fused::dar_write : reference::dar_write;
-  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), b.w_rho, b.b_rho, kKeyNormEps);
+  auto write = ops_.fused("dar_write") ? fused::dar_write : reference::dar_write;
+  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), cast_like(b.w_rho, out), cast_like(b.b_rho, out),
+                        kKeyNormEps);
   s.p0 = p0.view({B, T, d});
   s.p1 = p1.view({B, T, d});
   if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
@@ -108,11 +113,11 @@ at::Tensor Dar::finish(PathwayState& state) {
   if (observer_) observe_read(state, schedule_.branches + 1, out_q0_, out_q1_);
   const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
   const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
-  auto read = fused_ ? fused::depth_read : reference::depth_read;
+  auto read = ops_.fused("depth_read") ? fused::depth_read : reference::depth_read;
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
   for (int j = 0; j < 2; ++j) {
     auto [k, v] = route(routing_, j);
-    const at::Tensor& q = j == 0 ? out_q0_ : out_q1_;
+    const at::Tensor q = cast_like(j == 0 ? out_q0_ : out_q1_, completed[0]);
     const at::Tensor keys = completed[k].view({N, B * T, d}), values = completed[v].view({N, B * T, d});
     at::Tensor o = std::get<0>(read(q.unsqueeze(0), keys, values, kKeyNormEps))[0];
     out = j == 0 ? o : out + o;

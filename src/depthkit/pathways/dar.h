@@ -21,6 +21,7 @@
 #pragma once
 #include <vector>
 
+#include "depthkit/ops/kernel_choice.h"
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {
@@ -35,6 +36,7 @@ class Dar final : public ResidualPathway {
   at::Tensor finish(PathwayState& state) override;
   std::vector<at::Tensor> stream_states(PathwayState& state) override;  // [P⁰, P¹] or newest [H⁰, H¹]
   void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
+  std::map<std::string, bool> operators() const override { return ops_.all(); }
 
   static constexpr double kRhoBias = 4.0;
   static constexpr double kGateLogitStd = 0.2;
@@ -51,7 +53,7 @@ class Dar final : public ResidualPathway {
 
   BlockSchedule schedule_;
   std::string routing_;
-  bool fused_;  // residual.impl: the fused operators or the reference compositions (ops/dar_ops.h)
+  OperatorChoice ops_;  // dar_read, dar_write, depth_read: fused (ops/dar_ops.h) or reference
   std::vector<Branch> branch_;  // [L_b + 1], index ℓ
   at::Tensor out_q0_, out_q1_;
 };

@@ -3,6 +3,7 @@
 #include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
 #include "depthkit/ops/mhc_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
@@ -19,7 +20,8 @@ Streams& streams(PathwayState& s) { return static_cast<Streams&>(s); }
 }  // namespace
 
 Mhc::Mhc(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params, const std::string& prefix)
-    : m_(residual.streams), iters_(residual.sinkhorn_iters), fused_(residual.impl == "fused"),
+    : m_(residual.streams), iters_(residual.sinkhorn_iters),
+      ops_(residual.impl, params.device().type(), {"mhc_pre", "mhc_sinkhorn", "mhc_merge"}),
       branch_(model.n_branches() + 1) {
   const int64_t d = model.d_model, n = m_ * m_ + 2 * m_;
   for (int64_t l = 1; l <= model.n_branches(); ++l) {
@@ -39,9 +41,12 @@ std::unique_ptr<PathwayState> Mhc::begin(const at::Tensor& embedding) {
 at::Tensor Mhc::read(PathwayState& state, int64_t l) {
   Streams& s = streams(state);
   const Branch& b = branch_[l];
-  auto pre = fused_ ? fused::mhc_pre : reference::mhc_pre;
-  auto sinkhorn = fused_ ? fused::mhc_sinkhorn : reference::mhc_sinkhorn;
-  auto [h, post, res_logits] = pre(s.x, b.phi, b.bias, b.scale, kKeyNormEps);  // eq. 3–4
+  auto pre = ops_.fused("mhc_pre") ? fused::mhc_pre : reference::mhc_pre;
+  auto sinkhorn = ops_.fused("mhc_sinkhorn") ? fused::mhc_sinkhorn : reference::mhc_sinkhorn;
+  // The parameters in the streams' dtype; H_post and the H_res logits come out in float32 (or
+  // float64) whatever it is, and Sinkhorn runs in float32 (docs/design.md, "Precision").
+  auto [h, post, res_logits] =
+      pre(s.x, cast_like(b.phi, s.x), cast_like(b.bias, s.x), cast_like(b.scale, s.x), kKeyNormEps);  // eq. 3–4
   s.h_post = post;
   s.h_res = sinkhorn(res_logits, iters_);
   return h;
@@ -49,7 +54,7 @@ at::Tensor Mhc::read(PathwayState& state, int64_t l) {
 
 void Mhc::write(PathwayState& state, int64_t, const at::Tensor& out) {
   Streams& s = streams(state);
-  auto merge = fused_ ? fused::mhc_merge : reference::mhc_merge;
+  auto merge = ops_.fused("mhc_merge") ? fused::mhc_merge : reference::mhc_merge;
   s.x = merge(s.x, out, s.h_post, s.h_res);  // eq. 5
 }
 

@@ -19,6 +19,7 @@
 #pragma once
 #include <vector>
 
+#include "depthkit/ops/kernel_choice.h"
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {
@@ -34,6 +35,7 @@ class Mhc final : public ResidualPathway {
   at::Tensor finish(PathwayState& state) override;
   std::vector<at::Tensor> stream_states(PathwayState& state) override;  // the m streams
   void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
+  std::map<std::string, bool> operators() const override { return ops_.all(); }
   // H_res of the last read, [B, T, m, m] (rows index the source stream i, columns the target j).
   static at::Tensor last_h_res(PathwayState& state);
 
@@ -46,7 +48,7 @@ class Mhc final : public ResidualPathway {
     at::Tensor scale;  // [3]: α_pre, α_post, α_res
   };
   int64_t m_, iters_;
-  bool fused_;                  // residual.impl = "fused": the depthkit operators
+  OperatorChoice ops_;          // mhc_pre, mhc_sinkhorn, mhc_merge: fused (ops/mhc_ops.h) or reference
   std::vector<Branch> branch_;  // index ℓ
 };
 

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
@@ -30,7 +31,8 @@ Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : schedule_{residual.block_sublayers, model.n_branches()}, m_(residual.streams), conv_(residual.conv),
-      mean_fusion_(residual.fusion == "mean"), fused_(residual.impl == "fused"), d_(model.d_model),
+      mean_fusion_(residual.fusion == "mean"),
+      ops_(residual.impl, params.device().type(), {"msar_read", "msar_fuse"}), d_(model.d_model),
       kernels_(residual.kernels), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
   const int64_t d = model.d_model;
   for (int64_t l = 1; l <= schedule_.branches; ++l) {
@@ -75,15 +77,20 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
   if (observer_) observe_read(state, l);
-  auto read = fused_ ? fused::msar_read : reference::msar_read;
-  auto fuse = fused_ ? fused::msar_fuse : reference::msar_fuse;
+  auto read = ops_.fused("msar_read") ? fused::msar_read : reference::msar_read;
+  auto fuse = ops_.fused("msar_fuse") ? fused::msar_fuse : reference::msar_fuse;
+  // The parameters in the activations' dtype: the operators take one dtype.
+  const at::Tensor& sources = s.raw.stacked();
+  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, sources); };
+  const at::Tensor queries = in_dtype(b.queries);
   // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
-  auto [out, lse] = read(b.queries, s.raw.stacked(), s.taps.stacked(), kKeyNormEps);
+  auto [out, lse] = read(queries, sources, in_dtype(s.taps.stacked()), kKeyNormEps);
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
-  s.last_input = fuse(out, lse, b.queries, with_partial ? s.partial : at::Tensor(),
-                      with_partial ? taps(l - 1) : at::Tensor(), b.w_pre, b.b_pre, b.alpha_pre, kKeyNormEps);
+  s.last_input = fuse(out, lse, queries, with_partial ? s.partial : at::Tensor(),
+                      with_partial ? in_dtype(taps(l - 1)) : at::Tensor(), in_dtype(b.w_pre), in_dtype(b.b_pre),
+                      in_dtype(b.alpha_pre), kKeyNormEps);
   return s.last_input;
 }
 

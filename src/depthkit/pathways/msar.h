@@ -27,6 +27,7 @@
 #pragma once
 #include <vector>
 
+#include "depthkit/ops/kernel_choice.h"
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {
@@ -39,6 +40,7 @@ class Msar final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
+  std::map<std::string, bool> operators() const override { return ops_.all(); }
 
   static constexpr double kPreScale = 0.01;
 
@@ -58,7 +60,8 @@ class Msar final : public ResidualPathway {
   };
   BlockSchedule schedule_;
   int64_t m_;
-  bool conv_, mean_fusion_, fused_;
+  bool conv_, mean_fusion_;
+  OperatorChoice ops_;  // msar_read, msar_fuse: fused (ops/msar_ops.h) or reference
   int64_t d_;
   std::vector<int64_t> kernels_;
   std::vector<Branch> branch_;                  // index ℓ

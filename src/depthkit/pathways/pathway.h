@@ -9,6 +9,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,6 +78,11 @@ class ResidualPathway {
   // Intervention (the rescue-gain analysis): replaces the states stream_states() returns, so that
   // the following branches read the replacement. Throws where the pathway keeps no streams.
   virtual void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states);
+
+  // The depthkit operators the pathway runs, each with whether it runs fused (true) or as its
+  // reference composition (false): residual.impl, and with "fused" whether the model's device has
+  // the operator's kernel (ops/kernel_choice.h). Empty for a pathway without operators.
+  virtual std::map<std::string, bool> operators() const { return {}; }
 
   // Reports retrieval weights and gates to `observer` (nullptr: none) on the following forwards.
   // Observing costs an extra reference computation of the weights; training never observes.

@@ -45,7 +45,7 @@ struct Bench {
   int64_t peak_bytes = 0;  // own_bytes + the largest step's transient tensors
   int64_t own_device_bytes = 0, peak_device_bytes = 0;  // the same on a CUDA device
   Bench(const Config& c, at::Device d)
-      : cfg(c), device(d), model(c.model, c.residual, d, uint64_t(c.train.seed)), optim(model.parameters(), c.optim),
+      : cfg(c), device(d), model(c.model, c.residual, d, uint64_t(c.train.seed), at::kFloat, compute_dtype_of(c.train)), optim(model.parameters(), c.optim),
         gen(at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed))) {}
   // A step, counting this kind's tensor memory (the other kinds' tensors do not change meanwhile).
   double measured_step() {

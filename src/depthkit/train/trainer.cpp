@@ -231,7 +231,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       memory_base = TensorMemory::current_bytes();
       TensorMemory::reset_peak();
       reset_device_peak(device);
-      model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed));
+      model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat, compute_dtype_of(cfg.train));
       const std::vector<int64_t> sizes = AdamW::sizes(model_slot->parameters());
       optim_slot.emplace(model_slot->parameters(), cfg.optim,
                          ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
@@ -411,6 +411,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
                               {"val_tokens", val_tokens},
                               {"val_ppl", std::exp(result.val_loss)},
                               {"device", cfg.train.device},
+                              {"dtype", cfg.train.dtype},
                               {"world_size", ranks},
                               {"global_batch", global_batch},
                               {"zero", cfg.train.zero},

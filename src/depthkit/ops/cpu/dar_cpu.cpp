@@ -352,6 +352,9 @@ std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const
   if (transport && (p0_.sizes() != f_.sizes() || p1_.sizes() != f_.sizes() ||
                     w_rho.sizes() != at::IntArrayRef{1, 2 * d} || b_rho.sizes() != at::IntArrayRef{1}))
     fail("dar_write: expected partial streams [", P, ", ", d, "], w_rho [1, ", 2 * d, "] and b_rho [1]");
+  // The kernel reads every input as f's storage type.
+  for (const at::Tensor* t : {&beta_, &p0_, &p1_, &w_rho, &b_rho})
+    if (t->defined() && t->scalar_type() != f_.scalar_type()) fail("dar_write: all inputs must share one dtype");
   const at::Tensor f = f_.contiguous(), beta = beta_.contiguous(), p0 = contiguous_or_undefined(p0_),
                    p1 = contiguous_or_undefined(p1_), wr = contiguous_or_undefined(w_rho),
                    br = contiguous_or_undefined(b_rho);

@@ -195,6 +195,9 @@ at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, c
   if (out_.dim() != 2 || key_part.sizes() != out_.sizes() || value_part.sizes() != out_.sizes() ||
       lse_.dim() != 1 || lse_.size(0) != out_.size(0) || query.dim() != 1 || query.size(0) != out_.size(1))
     fail("depth_merge: expected out, key_part, value_part [P, d], log_partition [P], query [d]");
+  // The kernel reads all four as one storage type (the log-partition is converted).
+  for (const at::Tensor* t : {&query, &key_part, &value_part})
+    if (t->scalar_type() != out_.scalar_type()) fail("depth_merge: out, query, key_part and value_part must share a dtype");
   const auto acc_type = out_.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = query.contiguous(),
                    k = key_part.contiguous(), v = value_part.contiguous();

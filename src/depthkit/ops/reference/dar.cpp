@@ -17,10 +17,15 @@ at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1, double eps) {
 }
 }  // namespace
 
-fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
-                        const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha,
-                        const at::Tensor& w_beta, const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
+fused::DarRead dar_read(const at::Tensor& queries_, const at::Tensor& h0_, const at::Tensor& h1_, const at::Tensor& p0_,
+                        const at::Tensor& p1_, const at::Tensor& w_alpha_, const at::Tensor& b_alpha_,
+                        const at::Tensor& w_beta_, const at::Tensor& b_beta_, const std::array<int64_t, 2>& key_stream,
                         const std::array<int64_t, 2>& value_stream, double eps) {
+  // As the fused kernel: the reads, gates and mix in the accumulation dtype; h and β stored in the
+  // streams' dtype.
+  const at::Tensor queries = widen(queries_, h0_), h0 = widen(h0_, h0_), h1 = widen(h1_, h0_), p0 = widen(p0_, h0_),
+                   p1 = widen(p1_, h0_), w_alpha = widen(w_alpha_, h0_), b_alpha = widen(b_alpha_, h0_),
+                   w_beta = widen(w_beta_, h0_), b_beta = widen(b_beta_, h0_);
   const at::Tensor* completed[2] = {&h0, &h1};
   const at::Tensor* partial[2] = {&p0, &p1};
   at::Tensor z[2];
@@ -34,17 +39,21 @@ fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const a
   at::Tensor alpha = at::sigmoid(at::linear(hbar, w_alpha, b_alpha));       // eq. 14
   at::Tensor beta = 2.0 * at::sigmoid(at::linear(hbar, w_beta, b_beta));
   at::Tensor h = alpha.select(-1, 0).unsqueeze(-1) * z[0] + alpha.select(-1, 1).unsqueeze(-1) * z[1];  // eq. 15
-  return {h, beta, at::Tensor()};
+  return {h.to(h0_.scalar_type()), beta.to(h0_.scalar_type()), at::Tensor()};
 }
 
-std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tensor& beta, const at::Tensor& p0,
-                                            const at::Tensor& p1, const at::Tensor& w_rho, const at::Tensor& b_rho,
+std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f_, const at::Tensor& beta_, const at::Tensor& p0_,
+                                            const at::Tensor& p1_, const at::Tensor& w_rho_, const at::Tensor& b_rho_,
                                             double eps) {
+  // As the fused kernel: computed in the accumulation dtype, the new partial stored in f's dtype.
+  const auto st = f_.scalar_type();
+  const at::Tensor f = widen(f_, f_), beta = widen(beta_, f_), p0 = widen(p0_, f_), p1 = widen(p1_, f_),
+                   w_rho = widen(w_rho_, f_), b_rho = widen(b_rho_, f_);
   at::Tensor w0 = beta.select(-1, 0).unsqueeze(-1) * f;  // β ⊗ f(h) (eq. 7)
   at::Tensor w1 = beta.select(-1, 1).unsqueeze(-1) * f;
-  if (!p0.defined()) return {w0, w1};  // eq. 17, i = 1
+  if (!p0.defined()) return {w0.to(st), w1.to(st)};  // eq. 17, i = 1
   at::Tensor rho = at::sigmoid(at::linear(joint_norm(p0, p1, eps), w_rho, b_rho));  // eq. 16
-  return {rho * p0 + (1.0 - rho) * p1 + w0, (1.0 - rho) * p0 + rho * p1 + w1};      // eq. 17
+  return {(rho * p0 + (1.0 - rho) * p1 + w0).to(st), ((1.0 - rho) * p0 + rho * p1 + w1).to(st)};  // eq. 17
 }
 
 }  // namespace depthkit::reference

@@ -22,8 +22,11 @@ at::Tensor sinkhorn(const at::Tensor& positive, int64_t iters) {
   return p;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre(const at::Tensor& x, const at::Tensor& phi,
-                                                       const at::Tensor& bias, const at::Tensor& scale, double eps) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre(const at::Tensor& x_, const at::Tensor& phi_,
+                                                       const at::Tensor& bias_, const at::Tensor& scale_, double eps) {
+  // As the fused kernel: in the accumulation dtype, h stored in x's dtype, H_post and the H_res
+  // logits kept in the accumulation dtype (float32 for a bfloat16 x).
+  const at::Tensor x = widen(x_, x_), phi = widen(phi_, x_), bias = widen(bias_, x_), scale = widen(scale_, x_);
   const int64_t m = x.size(-2);
   // α ⊙ (x φ)/rms(x) + b, with α_pre, α_post, α_res spread over their m, m and m² logits.
   at::Tensor alpha = at::cat({scale.narrow(0, 0, 1).expand({m}), scale.narrow(0, 1, 1).expand({m}),
@@ -34,20 +37,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre(const at::Tensor& x, cons
   std::vector<int64_t> res_shape(x.sizes().begin(), x.sizes().end() - 1);
   res_shape.push_back(m);
   at::Tensor res = logits.narrow(-1, 2 * m, m * m).reshape(res_shape);
-  return {(pre.unsqueeze(-1) * x).sum(-2), post, res};  // eq. 4: Σ_i H_pre[i] x_i
+  return {(pre.unsqueeze(-1) * x).sum(-2).to(x_.scalar_type()), post, res};  // eq. 4: Σ_i H_pre[i] x_i
 }
 
 at::Tensor mhc_sinkhorn(const at::Tensor& logits, int64_t iters) {
-  // In float32 (or float64 when the model is): exp overflows late, the sums stay exact.
-  const auto wide = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor res = logits.to(wide);
+  // In float32 (or float64 when the model is): exp overflows late, the sums stay exact. Returned
+  // in that dtype, as the fused kernel returns it.
+  at::Tensor res = widen(logits, logits);
   res = res - res.amax({-2, -1}, /*keepdim=*/true).detach();  // scale-free: Sinkhorn ignores it
-  return sinkhorn(at::exp(res), iters).to(logits.scalar_type());
+  return sinkhorn(at::exp(res), iters);
 }
 
 at::Tensor mhc_merge(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post, const at::Tensor& h_res) {
-  // eq. 5: x'_j = H_post[j] f + Σ_i H_res[i, j] x_i
-  return h_post.unsqueeze(-1) * f.unsqueeze(-2) + at::matmul(h_res.transpose(-1, -2), x);
+  // eq. 5: x'_j = H_post[j] f + Σ_i H_res[i, j] x_i, in the accumulation dtype as the fused kernel
+  // (H_post and H_res are float32 for a bfloat16 x), stored in x's dtype.
+  at::Tensor out = widen(h_post, x).unsqueeze(-1) * widen(f, x).unsqueeze(-2) +
+                   at::matmul(widen(h_res, x).transpose(-1, -2), widen(x, x));
+  return out.to(x.scalar_type());
 }
 
 }  // namespace depthkit::reference

@@ -31,8 +31,12 @@ at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
   return at::stack(out);
 }
 
-std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps) {
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, const at::Tensor& sources_,
+                                             const at::Tensor& conv_, double eps) {
+  // As the fused kernel: the expansion and the reads in the accumulation dtype (the expanded
+  // streams are never rounded to the sources' dtype), out stored in the sources' dtype, ζ not.
+  const at::Tensor queries = widen(queries_, sources_), sources = widen(sources_, sources_),
+                   conv = widen(conv_, sources_);
   std::vector<at::Tensor> expanded;
   for (int64_t n = 0; n < sources.size(0); ++n) expanded.push_back(msar_expand(sources[n], conv[n]));
   at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
@@ -42,12 +46,18 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at
     outs.push_back(read.out);
     lses.push_back(read.log_partition);
   }
-  return {at::stack(outs), at::stack(lses)};
+  return {at::stack(outs).to(sources_.scalar_type()), at::stack(lses)};
 }
 
-at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
-                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+at::Tensor msar_fuse(const at::Tensor& out_, const at::Tensor& log_partition_, const at::Tensor& queries_,
+                     const at::Tensor& partial_, const at::Tensor& partial_conv_, const at::Tensor& w_pre_,
+                     const at::Tensor& b_pre_, const at::Tensor& alpha_pre_, double eps) {
+  // As the fused kernel: the merge, H_pre and the fusion in the accumulation dtype, h stored in
+  // out's dtype.
+  const at::Tensor out = widen(out_, out_), log_partition = widen(log_partition_, out_),
+                   queries = widen(queries_, out_), partial = widen(partial_, out_),
+                   partial_conv = widen(partial_conv_, out_), w_pre = widen(w_pre_, out_), b_pre = widen(b_pre_, out_),
+                   alpha_pre = widen(alpha_pre_, out_);
   at::Tensor part = partial.defined() ? msar_expand(partial, partial_conv) : at::Tensor();
   std::vector<at::Tensor> z;
   for (int64_t r = 0; r < queries.size(0); ++r)  // phase 2 (eq. 17, A.6–A.10)
@@ -55,9 +65,9 @@ at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, con
                     ? merge_partial(DepthRead{out[r], log_partition[r]}, queries[r], part[r], part[r], eps)
                     : out[r]);
   at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
-  if (!w_pre.defined()) return Z.mean(-2);  // fusion = "mean"
+  if (!w_pre.defined()) return Z.mean(-2).to(out_.scalar_type());  // fusion = "mean"
   at::Tensor pre = at::sigmoid(alpha_pre * at::linear(key_norm(Z.flatten(-2), eps), w_pre) + b_pre);  // eq. 13
-  return (pre.unsqueeze(-1) * Z).sum(-2);                                                             // eq. 14
+  return (pre.unsqueeze(-1) * Z).sum(-2).to(out_.scalar_type());                                     // eq. 14
 }
 
 }  // namespace depthkit::reference

@@ -4,7 +4,8 @@
 // (autograd gives their backward) of the depth-attention primitive (depth_attention.h) and the
 // papers' equations: what `residual.impl = "reference"` runs and what the tests hold the fused
 // operators to (docs/design.md, "Fused operators"). An absent optional input is an undefined
-// tensor, as in the fused:: API.
+// tensor, as in the fused:: API. Each computes in its kernel's accumulation dtype (float32 for
+// bfloat16 inputs; depth_attention.h, accumulation_dtype) and returns the kernel's output dtypes.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -57,8 +58,8 @@ at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, con
 // x [*, m, d], φ [m² + 2m, md], bias [m² + 2m], scale [3] → (h [*, d], H_post [*, m], H_res logits [*, m, m]).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_pre(const at::Tensor& x, const at::Tensor& phi,
                                                        const at::Tensor& bias, const at::Tensor& scale, double eps);
-// H_res from its logits [*, m, m]: float32 (float64 for float64), max subtracted, `iters` rounds of
-// `sinkhorn`, returned in the logits' dtype.
+// H_res from its logits [*, m, m]: in float32 (float64 for float64), max subtracted, `iters` rounds
+// of `sinkhorn`, returned in that dtype (as the fused operator).
 at::Tensor mhc_sinkhorn(const at::Tensor& logits, int64_t iters);
 // x [*, m, d], f [*, d], h_post [*, m], h_res [*, m, m] → x'_j = H_post[j] f + Σ_i H_res[i, j] x_i.
 at::Tensor mhc_merge(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post, const at::Tensor& h_res);
