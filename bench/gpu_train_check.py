@@ -12,12 +12,12 @@ H200's dense bf16 peak; then each kind, in its own process under a time limit, t
 on the corpus, logging every step: "loss fell" = its last logged loss is below its first.
 
 A kind that fails is recorded with its exit status and the last error line of its output, and the
-others still run. If the interleaved bench fails, each kind is timed beside residual alone; a
-kind whose fused operators have no CUDA kernel ("Could not run 'depthkit::...' with arguments
-from the 'CUDA' backend") is timed and trained with residual.impl = reference (the ATen
-composition) instead, and its entry says so. DIR/gpu_check.json is rewritten after every
-stage, so that a run stopped at any point leaves what it had; it also takes in the kernel check
-(DIR/gpu_ops.json, bench/gpu_ops.py) and the build stages scripts/gpu-check recorded (--stages).
+others still run. If the interleaved bench fails, each kind is timed beside residual alone. An
+operator without a kernel on the device runs its reference composition (the library chooses, per
+operator, and says so on stderr); each kind's entry lists those operators, read from its own
+training run. DIR/gpu_check.json is rewritten after every stage, so that a run stopped at any
+point leaves what it had; it also takes in the kernel check (DIR/gpu_ops.json, bench/gpu_ops.py)
+and the build stages scripts/gpu-check recorded (--stages).
 
 Only the Python standard library is needed. --device cpu, --dtype '' and a small --config run the
 same code paths on a machine without a GPU (how it is tested).
@@ -40,8 +40,10 @@ PEAK_SOURCE = ("NVIDIA H200 SXM datasheet, BF16 tensor core: 1,979 TFLOPS with 2
                "989.4 TFLOPS dense")
 FLOPS_NOTE = ("training FLOPs per token from `depthkit cost --json`: backbone (projections, causal "
               "attention, LM head) + pathway, each counted as 3x the forward (multiply-add = 2)")
-REFERENCE = ["residual.impl=reference"]  # the overrides of the fallback to the ATen composition
-NO_CUDA_KERNEL = re.compile(r"Could not run 'depthkit::[^']*' with arguments from the 'CUDA' backend")
+# What the library prints, once per process and operator, when an operator has no kernel on the
+# model's device and runs its reference composition instead (src/depthkit/ops/kernel_choice.cpp).
+REFERENCE_OPERATOR = re.compile(r"^depthkit: (\w+) has no \w+ kernel; running its reference composition",
+                                re.MULTILINE)
 
 
 class Outcome:
@@ -99,6 +101,11 @@ def run(cmd, timeout):
         return Outcome(cmd, None, text(e.stdout), text(e.stderr), time.monotonic() - start, timeout=timeout)
     except OSError as e:  # the program is missing or not executable
         return Outcome(cmd, None, "", "", time.monotonic() - start, error=f"could not run {cmd[0]}: {e}")
+
+
+def reference_operators(stderr):
+    """The operators a run said it ran as their reference composition, in order, once each."""
+    return list(dict.fromkeys(REFERENCE_OPERATOR.findall(text(stderr))))
 
 
 def read_losses(metrics_path):
@@ -178,18 +185,15 @@ class Check:
             self.kinds.remove("residual")
             self.kinds.insert(0, "residual")
         self.device_sets = [f"train.device={a.device}"] + ([f"train.dtype={a.dtype}"] if a.dtype else [])
-        # The implementation a kind runs unless it has to fall back to the reference one.
-        self.default_impl = self.config.get("residual", {}).get("impl", "fused")
-        self.entries = {k: {"kind": k, "ok": False, "error": None, "impl": None, "impl_fallback": False,
+        # reference_operators stays None until the kind's training has run: unknown, not "none".
+        self.entries = {k: {"kind": k, "ok": False, "error": None, "reference_operators": None,
                             "tokens_per_s": None, "median_step_s": None, "peak_bytes": None,
                             "peak_bytes_source": None, "overhead_vs_residual": None, "flops_per_token": None,
                             "mfu": None, "loss_first": None, "loss_last": None, "loss_fell": None,
                             "train_steps_logged": 0, "train_seconds": None, "train_tokens_per_s": None,
-                            "train_error": None, "fused_error": None, "bench_error": None, "cost_error": None,
+                            "train_error": None, "bench_error": None, "cost_error": None,
                             "train_stderr_tail": []}
                         for k in self.kinds}
-        for k in self.kinds:
-            self.set_impl(k, [])
         self.data = {"status": "not run"}
         self.bench_runs = []
 
@@ -223,6 +227,7 @@ class Check:
                        "n_layers": m.get("n_layers"), "d_model": m.get("d_model"), "n_heads": m.get("n_heads"),
                        "d_ff": m.get("d_ff"), "vocab_size": m.get("vocab_size"), "seq_len": m.get("seq_len"),
                        "block_sublayers": self.config.get("residual", {}).get("block_sublayers"),
+                       "impl": self.config.get("residual", {}).get("impl", "fused"),
                        "micro_batch": t.get("micro_batch"), "grad_accum": t.get("grad_accum", 1),
                        "train_steps": self.a.steps, "bench_steps": self.a.bench_steps,
                        "bench_warmup": self.a.bench_warmup},
@@ -279,42 +284,38 @@ class Check:
         if data_dir is None:
             e["train_error"] = f"no training data: {self.data.get('error')}"
             return
-        # A kind the bench found without CUDA kernels starts with the reference implementation.
-        attempts = [REFERENCE] if e["impl_fallback"] else [[]]
-        while attempts:
-            impl_sets = attempts.pop(0)
-            run_dir = self.work / "runs" / kind
-            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (this script's own directory)
-            cmd = [self.a.depthkit, "train", "--config", self.a.config, "--run-dir", run_dir]
-            for s in [f"residual.kind={kind}", f"data.dir={data_dir}", f"train.steps={self.a.steps}",
-                      "train.log_every=1"] + self.device_sets + self.a.set + impl_sets:
-                cmd += ["--set", s]
-            r = run(cmd, self.left(self.a.kind_timeout))
-            self.set_impl(kind, impl_sets)
-            e["train_seconds"] = round(r.seconds, 1)
-            e["train_stderr_tail"] = r.tail()
-            if not r.ok:
-                e["train_error"] = r.why()
-                if not impl_sets and r.returncode is not None and NO_CUDA_KERNEL.search(r.stderr or ""):
-                    e["fused_error"] = e["train_error"]
-                    attempts.append(REFERENCE)
-                continue
-            e["train_error"] = None
-            losses = read_losses(run_dir / "metrics.jsonl")
-            e["train_steps_logged"] = len(losses)
-            if losses:
-                e["loss_first"], e["loss_last"] = losses[0], losses[-1]
-                e["loss_fell"] = losses[-1] < losses[0]
-            try:
-                with open(run_dir / "summary.json") as fh:
-                    s = json.load(fh)
-                e["train_tokens_per_s"] = s.get("tokens_per_s")
-                # Whatever the trainer reports of memory (CPU tensors, and the device's where it says).
-                e["train_summary"] = {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
-            except (OSError, ValueError):
-                pass
-            # The final checkpoint (GBs at this size) is not needed: the metrics are read.
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        run_dir = self.work / "runs" / kind
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (this script's own directory)
+        cmd = [self.a.depthkit, "train", "--config", self.a.config, "--run-dir", run_dir]
+        for s in [f"residual.kind={kind}", f"data.dir={data_dir}", f"train.steps={self.a.steps}",
+                  "train.log_every=1"] + self.device_sets + self.a.set:
+            cmd += ["--set", s]
+        r = run(cmd, self.left(self.a.kind_timeout))
+        e["train_seconds"] = round(r.seconds, 1)
+        e["train_stderr_tail"] = r.tail()
+        # From this kind's own process: the interleaved bench builds every kind in one process, whose
+        # lines (once per operator) cannot be told apart by kind. The bench runs the same operators
+        # (same config, kind and device), so the list holds for its timings too.
+        # (None where it never started: skipped for time, or the program could not run.)
+        e["reference_operators"] = None if r.error else reference_operators(r.stderr)
+        if not r.ok:
+            e["train_error"] = r.why()
+            return
+        losses = read_losses(run_dir / "metrics.jsonl")
+        e["train_steps_logged"] = len(losses)
+        if losses:
+            e["loss_first"], e["loss_last"] = losses[0], losses[-1]
+            e["loss_fell"] = losses[-1] < losses[0]
+        try:
+            with open(run_dir / "summary.json") as fh:
+                s = json.load(fh)
+            e["train_tokens_per_s"] = s.get("tokens_per_s")
+            # Whatever the trainer reports of memory (CPU tensors, and the device's where it says).
+            e["train_summary"] = {k: v for k, v in s.items() if isinstance(v, (int, float, str))}
+        except (OSError, ValueError):
+            pass
+        # The final checkpoint (GBs at this size) is not needed: the metrics are read.
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
     def cost(self, kind):
         e = self.entries[kind]
@@ -331,15 +332,16 @@ class Check:
         except (ValueError, KeyError, TypeError) as err:
             e["cost_error"] = f"unreadable `depthkit cost --json` output: {err}"
 
-    def bench(self, kinds, impl_sets):
+    def bench(self, kinds):
         """One interleaved `depthkit bench`; its runs, or None with the failure recorded."""
         cmd = [self.a.depthkit, "bench", "--config", self.a.config, "--kinds", ",".join(kinds), "--steps",
                self.a.bench_steps, "--warmup", self.a.bench_warmup, "--json"]
-        for s in self.device_sets + self.a.set + impl_sets:
+        for s in self.device_sets + self.a.set:
             cmd += ["--set", s]
         r = run(cmd, self.left(self.a.bench_timeout))
-        record = {"kinds": kinds, "overrides": impl_sets, "seconds": round(r.seconds, 1),
-                  "ok": r.ok, "error": None if r.ok else r.why()}
+        # All the kinds' operators together: one process says once per operator.
+        record = {"kinds": kinds, "seconds": round(r.seconds, 1), "ok": r.ok, "error": None if r.ok else r.why(),
+                  "reference_operators": reference_operators(r.stderr)}
         self.bench_runs.append(record)
         if not r.ok:
             return None
@@ -370,16 +372,10 @@ class Check:
                 e["overhead_vs_residual"] = r["median_step_s"] / base["median_step_s"] - 1.0
             e["bench_error"] = None
 
-    def set_impl(self, kind, impl_sets):
-        e = self.entries[kind]
-        e["impl_fallback"] = bool(impl_sets)
-        e["impl"] = "reference" if impl_sets else self.default_impl
-
     def bench_all(self):
         """All kinds interleaved in one `depthkit bench`. If that fails, each kind is timed beside
-        residual alone, and a kind whose fused operators have no CUDA kernel is timed again (with
-        residual) under residual.impl = reference, which its training then uses too."""
-        runs = self.bench(self.kinds, [])
+        residual alone, so that one kind's failure leaves the others measured."""
+        runs = self.bench(self.kinds)
         if runs is not None:
             self.take_bench(runs)
             return
@@ -394,11 +390,7 @@ class Check:
             if self.entries[k]["tokens_per_s"] is not None:  # residual, measured in an earlier pair
                 continue
             kinds = baseline + [k] if k != "residual" else [k]
-            runs = self.bench(kinds, [])
-            if runs is None and NO_CUDA_KERNEL.search(self.bench_runs[-1]["error"] or ""):
-                self.entries[k]["fused_error"] = self.bench_runs[-1]["error"]
-                self.set_impl(k, REFERENCE)
-                runs = self.bench(kinds, REFERENCE)
+            runs = self.bench(kinds)
             if runs is not None:
                 self.take_bench(runs)
             else:
@@ -458,16 +450,20 @@ def cell(value, width, spec, scale=1.0, unit=""):
 def print_table(s):
     c = s["config"]
     print(f"\n{s['device_name'] or s['device']}, dtype {s['dtype'] or 'as configured'}: {c['n_layers']} layers, "
-          f"d {c['d_model']}, T {c['seq_len']}, {c['micro_batch']} sequences a step; "
+          f"d {c['d_model']}, T {c['seq_len']}, {c['micro_batch']} sequences a step, impl {c['impl']}; "
           f"MFU against {s['peak_flops'] / 1e12:.1f} TFLOP/s")
-    print(f"{'kind':10} {'ok':3} {'impl':9} {'tokens/s':>10} {'step ms':>8} {'overhead':>9} {'peak GiB':>9} "
+    print(f"{'kind':10} {'ok':3} {'tokens/s':>10} {'step ms':>8} {'overhead':>9} {'peak GiB':>9} "
           f"{'MFU':>6} {'loss first -> last':>18}  error")
     for e in s["kinds"]:
         loss = f"{e['loss_first']:.3f} -> {e['loss_last']:.3f}" if e["loss_first"] is not None else "-"
-        print(f"{e['kind']:10} {'yes' if e['ok'] else 'NO':3} {e['impl'] or '-':9} "
+        print(f"{e['kind']:10} {'yes' if e['ok'] else 'NO':3} "
               f"{cell(e['tokens_per_s'], 10, '.0f')} {cell(e['median_step_s'], 8, '.1f', 1e3)} "
               f"{cell(e['overhead_vs_residual'], 9, '+.1f', 100, '%')} {cell(e['peak_bytes'], 9, '.2f', 1 / 2**30)} "
               f"{cell(e['mfu'], 6, '.1f', 100, '%')} {loss:>18}  {e['error'] or ''}")
+    for e in s["kinds"]:
+        if e["reference_operators"]:
+            print(f"{e['kind']}: reference composition (no kernel on {s['device']}) for "
+                  f"{', '.join(e['reference_operators'])}")
     k = s["kernels"]
     if k is not None:
         detail = k.get("error") or (f"{len(k['checked_ops'])} ops checked, {len(k['failed'])} rows failed")
