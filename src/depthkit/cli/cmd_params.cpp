@@ -25,6 +25,7 @@ void add_params(CLI::App& app, Action& action) {
       ParameterCounts c = model.count();
       if (a->json) {
         nlohmann::json j = {{"total", c.total}, {"non_vocab", c.non_vocab}, {"residual", c.residual},
+                            {"active", c.active}, {"active_non_vocab", c.active_non_vocab},
                             {"kind", cfg.residual.kind}};
         for (auto& [name, n] : c.by_component) j["components"][name] = n;
         std::printf("%s\n", j.dump().c_str());
@@ -33,6 +34,9 @@ void add_params(CLI::App& app, Action& action) {
         for (auto& [name, n] : c.by_component) std::printf("%-14s %16lld\n", name.c_str(), (long long)n);
         std::printf("%-14s %16lld\n%-14s %16lld\n", "non_vocab", (long long)c.non_vocab, "total",
                     (long long)c.total);
+        if (cfg.model.moe.enabled())
+          std::printf("%-14s %16lld\n%-14s %16lld\n", "active_non_vocab", (long long)c.active_non_vocab, "active",
+                      (long long)c.active);
       }
       return 0;
     };

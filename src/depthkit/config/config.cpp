@@ -46,6 +46,16 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
+      {"moe", "n_experts", &m.moe.n_experts, 0, 4096},
+      {"moe", "top_k", &m.moe.top_k, 1, 4096},
+      {"moe", "expert_d_ff", &m.moe.expert_d_ff, 0, 1 << 22},
+      {"moe", "n_shared_experts", &m.moe.n_shared_experts, 0, 4096},
+      {"moe", "shared_d_ff", &m.moe.shared_d_ff, 0, 1 << 22},
+      {"moe", "leading_dense_layers", &m.moe.leading_dense_layers, 0, 4096},
+      {"moe", "router", &m.moe.router, -kInf, kInf, {"softmax_topk"}},
+      {"moe", "renormalize", &m.moe.renormalize},
+      {"moe", "aux_loss_coef", &m.moe.aux_loss_coef, 0, 1e6},
+      {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
       {"residual", "kind", &r.kind, -kInf, kInf, pathway_kind_names()},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
@@ -187,6 +197,22 @@ void validate(const Config& c, const std::string& where) {
          ") is not divisible by model.n_heads (", m.n_heads, ")");
   if (m.resolved_head_dim() % 2 != 0)
     fail(where, ": key 'model.head_dim' must be even for RoPE, got ", m.resolved_head_dim());
+  if (m.moe.enabled()) {
+    if (m.moe.top_k > m.moe.n_experts)
+      fail(where, ": key 'moe.top_k' (", m.moe.top_k, ") must not exceed moe.n_experts (", m.moe.n_experts, ")");
+    if (m.moe.expert_d_ff == 0)
+      fail(where, ": key 'moe.expert_d_ff' must be set (>= 1) when moe.n_experts is ", m.moe.n_experts);
+    if (m.moe.leading_dense_layers >= m.n_layers)
+      fail(where, ": key 'moe.leading_dense_layers' (", m.moe.leading_dense_layers,
+           ") must be below model.n_layers (", m.n_layers, "): no layer would be MoE");
+    checked_mul(checked_mul(checked_mul(m.moe.n_experts, m.moe.expert_d_ff, where, "moe.n_experts x moe.expert_d_ff"),
+                            m.d_model, where, "the experts' matrices (moe.n_experts x moe.expert_d_ff x model.d_model)"),
+                12, where, "the experts' bytes (3 x moe.n_experts x moe.expert_d_ff x model.d_model x 4)");
+    checked_mul(checked_mul(m.moe.n_shared_experts, m.moe.resolved_shared_d_ff(), where,
+                            "moe.n_shared_experts x moe.shared_d_ff"),
+                checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
+                "the shared experts' bytes (3 x moe.n_shared_experts x moe.shared_d_ff x model.d_model x 4)");
+  }
   // The kind's own checks (its entry in pathways/registry.h; e.g. DAR with S = 1, MSAR's kernels).
   if (const PathwayKind* kind = find_pathway_kind(c.residual.kind); kind && kind->validate)
     kind->validate(c.residual, where);

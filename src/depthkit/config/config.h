@@ -8,6 +8,28 @@
 
 namespace depthkit {
 
+// The sparse mixture-of-experts feed-forward branch (model/moe.h; docs/design.md, "Mixture of
+// experts"). n_experts = 0: every layer's feed-forward branch is the dense SwiGLU of width d_ff.
+struct MoeConfig {
+  int64_t n_experts = 0;             // routed experts per MoE layer; 0: dense
+  int64_t top_k = 2;                 // experts each token is processed by
+  int64_t expert_d_ff = 0;           // SwiGLU width of each routed expert (required when n_experts > 0)
+  int64_t n_shared_experts = 0;      // experts every token goes through (DeepSeekMoE)
+  int64_t shared_d_ff = 0;           // width of each shared expert; 0: expert_d_ff
+  int64_t leading_dense_layers = 0;  // the first layers keep the dense SwiGLU of width model.d_ff
+  std::string router = "softmax_topk";  // softmax over all experts, then the top-k
+  // Divide the k selected probabilities by their sum. Off by default: the gates are then the
+  // softmax probabilities themselves (Switch, GShard, DeepSeekMoE), and with top_k = 1 the LM
+  // loss still trains the router (a renormalised single gate is constantly 1).
+  bool renormalize = false;
+  double aux_loss_coef = 0.01;  // Switch load balancing: n_experts · Σ_e f_e · P_e (DAR: 0.01)
+  double z_loss_coef = 0.0;     // router z-loss (ST-MoE): mean over tokens of logsumexp(logits)²
+
+  bool enabled() const { return n_experts > 0; }
+  int64_t resolved_shared_d_ff() const { return shared_d_ff > 0 ? shared_d_ff : expert_d_ff; }
+  bool is_moe_layer(int64_t layer) const { return enabled() && layer >= leading_dense_layers; }
+};
+
 struct ModelConfig {
   int64_t n_layers = 4;
   int64_t d_model = 128;
@@ -21,6 +43,7 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;
+  MoeConfig moe;  // the [moe] section
 
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : d_model / n_heads; }
   int64_t n_branches() const { return 2 * n_layers; }  // L_b: attention and FFN per layer

@@ -1,10 +1,13 @@
 #include "depthkit/model/transformer.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/linear.h>
 
 #include "depthkit/model/precision.h"
+
+#include <utility>
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 
@@ -35,8 +38,15 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
   embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
     attention_.emplace_back(cfg_, params_, cat("layers.", i, ".attention"));
-    feed_forward_.emplace_back(cfg_, params_, cat("layers.", i, ".feed_forward"));
+    if (cfg_.moe.is_moe_layer(i)) {
+      feed_forward_.emplace_back();
+      moe_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"));
+    } else {
+      feed_forward_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"));
+      moe_.emplace_back();
+    }
   }
+  stats_.resize(size_t(cfg_.n_layers));
   path_ = make_pathway(residual, cfg_, params_);
   final_norm_ = params_.add("final_norm", "norm", {d}, Init::Ones);
   lm_head_ = cfg_.tie_embeddings ? embedding_
@@ -46,7 +56,35 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
 
 at::Tensor Transformer::branch(int64_t l, const at::Tensor& h) const {
   const int64_t layer = (l - 1) / 2;
-  return l % 2 == 1 ? attention_[layer].forward(h, *rope_) : feed_forward_[layer].forward(h);
+  if (l % 2 == 1) return attention_[layer].forward(h, *rope_);
+  if (moe_[layer]) return moe_[layer]->forward(h, &stats_[layer]);
+  return feed_forward_[layer]->forward(h);
+}
+
+std::vector<double> MoeTerms::load_max_over_mean() const {
+  std::vector<double> out;
+  for (const auto& f : load) out.push_back(double(f.size(0)) * f.max().item<double>());
+  return out;
+}
+
+void Transformer::collect_terms() {
+  terms_ = MoeTerms{};
+  if (!cfg_.moe.enabled()) return;
+  at::Tensor balance, z;
+  for (int64_t i = 0; i < cfg_.n_layers; ++i) {
+    if (!moe_[i]) continue;
+    const MoeStats& s = stats_[i];
+    balance = balance.defined() ? balance + s.aux_loss : s.aux_loss;
+    z = z.defined() ? z + s.z_loss : s.z_loss;
+    terms_.load.push_back(s.load);
+    terms_.layers.push_back(i);
+  }
+  const double n = double(terms_.layers.size());
+  // The optimised auxiliary loss sums the layers' terms (Switch, Megatron); the logged balance
+  // and z-loss are their means over layers, so that 1.0 is uniform use at any depth.
+  terms_.aux_loss = cfg_.moe.aux_loss_coef * balance + cfg_.moe.z_loss_coef * z;
+  terms_.balance = (balance / n).detach();
+  terms_.z_loss = (z / n).detach();
 }
 
 at::Tensor Transformer::embed(const at::Tensor& tokens) const {
@@ -64,16 +102,26 @@ at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& afte
     path_->write(*state, l, branch(l, h));
     if (after_branch) after_branch(l, *state);
   }
+  collect_terms();
   auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
   // The head's product runs in the compute dtype; the logits, and so the cross-entropy and its
   // log-softmax, are taken in the parameters' dtype (float32 under bfloat16 compute).
   return at::linear(hidden, cast_like(lm_head_, hidden)).to(params_.dtype());
 }
 
-at::Tensor Transformer::loss(const at::Tensor& batch) {
+at::Tensor Transformer::lm_loss(const at::Tensor& batch) {
   const int64_t T = batch.size(1) - 1;
   auto logits_ = logits(batch.narrow(1, 0, T));
   return at::cross_entropy_loss(logits_.reshape({-1, cfg_.vocab_size}), batch.narrow(1, 1, T).reshape({-1}));
+}
+
+at::Tensor Transformer::loss(const at::Tensor& batch) {
+  auto lm = lm_loss(batch);
+  if (!terms_.aux_loss.defined()) return lm;
+  terms_.lm_loss = lm.detach();
+  auto aux = terms_.aux_loss.to(lm.scalar_type());
+  terms_.aux_loss = aux.detach();
+  return lm + aux;
 }
 
 ParameterCounts Transformer::count() const {
@@ -84,6 +132,14 @@ ParameterCounts Transformer::count() const {
   c.non_vocab = c.total - vocab;
   for (const char* comp : {"embedding", "attention", "feed_forward", "norm", "residual", "lm_head"})
     c.by_component.emplace_back(comp, params_.count(comp));
+  if (cfg_.moe.enabled())
+    for (const char* comp : {"router", "experts"}) c.by_component.emplace_back(comp, params_.count(comp));
+  // A token uses top_k of the n_experts routed experts of each MoE layer.
+  int64_t unused = 0;
+  for (const auto& m : moe_)
+    if (m) unused += (cfg_.moe.n_experts - cfg_.moe.top_k) * MoeFeedForward::expert_parameters(cfg_);
+  c.active = c.total - unused;
+  c.active_non_vocab = c.non_vocab - unused;
   return c;
 }
 

@@ -12,6 +12,7 @@
 
 #include "depthkit/config/config.h"
 #include "depthkit/model/layers.h"
+#include "depthkit/model/moe.h"
 #include "depthkit/model/parameters.h"
 #include "depthkit/pathways/pathway.h"
 
@@ -19,7 +20,21 @@ namespace depthkit {
 
 struct ParameterCounts {
   int64_t total = 0, non_vocab = 0, residual = 0;
+  // Those one token uses: all but the routed experts it is not sent to (= total when dense).
+  int64_t active = 0, active_non_vocab = 0;
   std::vector<std::pair<std::string, int64_t>> by_component;
+};
+
+// The auxiliary terms of the last forward pass of an MoE model (all undefined/empty when dense).
+struct MoeTerms {
+  at::Tensor lm_loss;   // the cross-entropy (loss() only), detached
+  at::Tensor aux_loss;  // what loss() added: aux_loss_coef · Σ_ℓ balance_ℓ + z_loss_coef · Σ_ℓ z_ℓ, detached
+  at::Tensor balance;   // mean over MoE layers of n_experts · Σ_e f_e · P_e (1.0: uniform), detached
+  at::Tensor z_loss;    // mean over MoE layers of the router z-loss, detached
+  std::vector<at::Tensor> load;  // per MoE layer: f_e over experts, float64 [n_experts]
+  std::vector<int64_t> layers;   // the layer index of each entry of `load`
+  // Per MoE layer, the busiest expert's share over the mean share: n_experts · max_e f_e (1.0: balanced).
+  std::vector<double> load_max_over_mean() const;
 };
 
 // The compute dtype train.dtype names: float32, or bfloat16 (mixed precision).
@@ -40,8 +55,13 @@ class Transformer {
 
   // int64 [B, T] → [B, T, V] in the parameters' dtype (float32 also when computing in bfloat16)
   at::Tensor logits(const at::Tensor& tokens, const AfterBranch& after_branch = {});
-  // int64 [B, T+1] → mean next-token cross-entropy, in the parameters' dtype
+  // int64 [B, T+1] → the loss training optimises, in the parameters' dtype: the mean next-token
+  // cross-entropy, plus for an MoE backbone its auxiliary losses (moe_terms() has the parts).
   at::Tensor loss(const at::Tensor& batch);
+  // The mean next-token cross-entropy alone (evaluation).
+  at::Tensor lm_loss(const at::Tensor& batch);
+  // The MoE terms of the last logits()/loss() call.
+  const MoeTerms& moe_terms() const { return terms_; }
   ParameterStore& parameters() { return params_; }
   const ParameterStore& parameters() const { return params_; }
   const ModelConfig& config() const { return cfg_; }
@@ -63,7 +83,11 @@ class Transformer {
   ParameterStore params_;
   at::Tensor embedding_, final_norm_, lm_head_;
   std::vector<Attention> attention_;
-  std::vector<FeedForward> feed_forward_;
+  std::vector<std::optional<FeedForward>> feed_forward_;  // per layer: dense (absent in MoE layers)
+  std::vector<std::optional<MoeFeedForward>> moe_;       // per layer: MoE (absent in dense layers)
+  mutable std::vector<MoeStats> stats_;                  // per layer, the last branch() call's
+  MoeTerms terms_;
+  void collect_terms();
   std::unique_ptr<ResidualPathway> path_;
   std::unique_ptr<Rope> rope_;
 };

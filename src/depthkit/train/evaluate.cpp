@@ -12,7 +12,7 @@ LossSum evaluate_share(Transformer& model, const std::vector<at::Tensor>& batche
   for (size_t i = size_t(rank); i < batches.size(); i += size_t(ranks)) {
     const at::Tensor& b = batches[i];
     const int64_t tokens = b.size(0) * (b.size(1) - 1);
-    sum.loss += model.loss(b.to(model.parameters().device())).item<double>() * double(tokens);
+    sum.loss += model.lm_loss(b.to(model.parameters().device())).item<double>() * double(tokens);
     sum.tokens += tokens;
   }
   return sum;

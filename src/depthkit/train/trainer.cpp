@@ -322,6 +322,10 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       const double lr = learning_rate(cfg.optim, st.step, total);
       model.parameters().zero_grad();
       double loss_sum = 0;
+      // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
+      // balance term and per-layer expert load (max over mean share), averaged for the log.
+      const bool moe = cfg.model.moe.enabled();
+      std::vector<double> moe_sum;
       for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
         // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
         const at::Tensor batch = loader.next(world.rank(), ranks).to(device);
@@ -338,14 +342,23 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
           throw;
         }
         loss_sum += loss.item<double>();
+        if (moe) {
+          const MoeTerms& t = model.moe_terms();
+          std::vector<double> v = {t.lm_loss.item<double>(), t.aux_loss.item<double>(), t.balance.item<double>()};
+          for (double x : t.load_max_over_mean()) v.push_back(x);
+          moe_sum.resize(v.size(), 0.0);
+          for (size_t i = 0; i < v.size(); ++i) moe_sum[i] += v[i] / double(cfg.train.grad_accum);
+        }
       }
       // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
       // the ranks at different steps; they stop together).
-      at::Tensor shared = at::empty({2}, at::kDouble);
+      at::Tensor shared = at::empty({2 + int64_t(moe_sum.size())}, at::kDouble);
       shared.data_ptr<double>()[0] = loss_sum;
       shared.data_ptr<double>()[1] = g_stop_signal.load() != 0 ? 1.0 : 0.0;
+      for (size_t i = 0; i < moe_sum.size(); ++i) shared.data_ptr<double>()[2 + i] = moe_sum[i];
       world.all_reduce_sum(shared);
       loss_sum = shared.data_ptr<double>()[0] / double(ranks);
+      for (size_t i = 0; i < moe_sum.size(); ++i) moe_sum[i] = shared.data_ptr<double>()[2 + i] / double(ranks);
       const bool signalled = shared.data_ptr<double>()[1] > 0;
       const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
       if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
@@ -364,9 +377,17 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       result.last_loss = loss_sum;
 
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (st.step % cfg.train.log_every == 0 || st.step == total)
-        log({{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
-             {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}});
+      if (st.step % cfg.train.log_every == 0 || st.step == total) {
+        nlohmann::json j = {{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
+                            {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}};
+        if (moe) {  // "loss" is the optimised total: lm_loss + aux_loss
+          j["lm_loss"] = moe_sum[0];
+          j["aux_loss"] = moe_sum[1];
+          j["balance"] = moe_sum[2];
+          j["expert_load"] = std::vector<double>(moe_sum.begin() + 3, moe_sum.end());
+        }
+        log(j);
+      }
       char status[96];
       std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
                     last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");

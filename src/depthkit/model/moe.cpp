@@ -1,0 +1,136 @@
+#include "depthkit/model/moe.h"
+
+#include <ATen/TensorOperators.h>
+
+#include <ATen/ops/_grouped_mm.h>
+#include <ATen/ops/argsort.h>
+#include <ATen/ops/bincount.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/gather.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/logsumexp.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+
+#include "depthkit/model/layers.h"
+#include "depthkit/model/parameters.h"
+#include "depthkit/model/precision.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
+    : moe(c.moe), eps(c.norm_eps) {
+  const int64_t d = c.d_model, E = moe.n_experts, f = moe.expert_d_ff;
+  const double out_std = c.init_std / std::sqrt(2.0 * double(c.n_layers));
+  norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
+  router = p.add(prefix + ".router", "router", {E, d}, Init::Normal, c.init_std);
+  w_gate = p.add(prefix + ".experts.w_gate", "experts", {E, f, d}, Init::Normal, c.init_std);
+  w_up = p.add(prefix + ".experts.w_up", "experts", {E, f, d}, Init::Normal, c.init_std);
+  w_down = p.add(prefix + ".experts.w_down", "experts", {E, d, f}, Init::Normal, out_std);
+  if (moe.n_shared_experts > 0) {
+    // The shared experts as one SwiGLU of width n_shared · shared_d_ff: SwiGLU acts on each hidden
+    // unit separately, so this is exactly the sum of n_shared separate experts (DeepSeekMoE).
+    const int64_t fs = moe.n_shared_experts * moe.resolved_shared_d_ff();
+    shared_gate = p.add(prefix + ".shared.w_gate", "feed_forward", {fs, d}, Init::Normal, c.init_std);
+    shared_up = p.add(prefix + ".shared.w_up", "feed_forward", {fs, d}, Init::Normal, c.init_std);
+    shared_down = p.add(prefix + ".shared.w_down", "feed_forward", {d, fs}, Init::Normal, out_std);
+  }
+}
+
+Routing MoeFeedForward::route(const at::Tensor& x) const {
+  Routing r;
+  // The router runs in the parameters' dtype (float32 under bfloat16 compute): the expert choice
+  // and the balancing statistics are not taken from bfloat16-rounded logits.
+  r.logits = at::linear(x.to(router.scalar_type()), router);
+  r.probs = at::softmax(r.logits, -1);
+  // Top-k by a stable descending sort of the logits: equal logits keep their index order, so a
+  // tie goes to the lower expert index, on every device and thread count.
+  auto sorted = std::get<1>(at::sort(r.logits.detach(), /*stable=*/std::optional<bool>(true), /*dim=*/-1, /*descending=*/true));
+  r.experts = sorted.narrow(-1, 0, moe.top_k).contiguous();
+  r.gates = r.probs.gather(-1, r.experts);
+  if (moe.renormalize) r.gates = r.gates / r.gates.sum(-1, /*keepdim=*/true);
+  return r;
+}
+
+bool MoeFeedForward::uses_grouped(const at::Tensor& x) const {
+  if (expert_impl == "grouped") return true;
+  if (expert_impl == "loop") return false;
+  const auto t = x.scalar_type();
+  if (!x.device().is_cpu() || (t != at::kFloat && t != at::kBFloat16)) return false;
+  const int64_t bytes = int64_t(c10::elementSize(t));
+  return (w_gate.size(2) * bytes) % 16 == 0 && (w_gate.size(1) * bytes) % 16 == 0;
+}
+
+namespace {
+
+// at::_grouped_mm's backward rejects an expanded (zero-stride) incoming gradient: make it dense.
+at::Tensor contiguous_grad(at::Tensor t) {
+  if (t.requires_grad()) t.register_hook([](const at::Tensor& g) { return g.contiguous(); });
+  return t;
+}
+
+}  // namespace
+
+at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
+  const int64_t d = h.size(-1), E = moe.n_experts, k = moe.top_k;
+  auto x = rms_norm(h, norm, eps).reshape({-1, d});
+  const int64_t N = x.size(0);
+  Routing r = route(x);
+
+  // Dispatch: the N·k (token, expert) assignments sorted by expert (stable: by token within one).
+  auto flat_expert = r.experts.reshape({-1});
+  auto order = at::argsort(flat_expert, /*stable=*/true);
+  auto token_of = at::floor_divide(order, k);
+  auto counts = at::bincount(flat_expert, {}, E);
+  auto xs = x.index_select(0, token_of);  // [N·k, d], the sorted copies
+  auto wg = cast_like(w_gate, x), wu = cast_like(w_up, x), wd = cast_like(w_down, x);
+  at::Tensor ys;
+  if (uses_grouped(x)) {
+    auto offs = at::cumsum(counts, 0).to(at::kInt);
+    auto g = contiguous_grad(at::_grouped_mm(xs, wg.transpose(1, 2), offs));
+    auto u = contiguous_grad(at::_grouped_mm(xs, wu.transpose(1, 2), offs));
+    auto a = at::silu(g) * u;
+    ys = contiguous_grad(at::_grouped_mm(a, wd.transpose(1, 2), offs));
+  } else {
+    auto c = counts.cpu();
+    std::vector<at::Tensor> parts;
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = c.data_ptr<int64_t>()[e];
+      if (n == 0) continue;
+      auto xe = xs.narrow(0, start, n);
+      auto a = at::silu(at::mm(xe, wg[e].t())) * at::mm(xe, wu[e].t());
+      parts.push_back(at::mm(a, wd[e].t()));
+      start += n;
+    }
+    ys = parts.empty() ? xs.narrow(0, 0, 0) : at::cat(parts, 0);
+  }
+  // Combine: each copy weighted by its gate, added back to its token.
+  auto gate_sorted = r.gates.reshape({-1}).index_select(0, order).to(ys.scalar_type());
+  auto y = at::zeros({N, d}, ys.options()).index_add(0, token_of, ys * gate_sorted.unsqueeze(1));
+  if (shared_gate.defined()) {
+    auto a = at::silu(at::linear(x, cast_like(shared_gate, x))) * at::linear(x, cast_like(shared_up, x));
+    y = y + at::linear(a, cast_like(shared_down, a));
+  }
+  if (stats) {
+    // Switch load balancing: f_e the share of assignments to expert e (not differentiable),
+    // P_e the mean router probability of e; n_experts · Σ f_e P_e is 1 at uniform use.
+    auto f = counts.to(r.probs.scalar_type()) / double(N * k);
+    stats->aux_loss = double(E) * (f * r.probs.mean(0)).sum();
+    auto lse = at::logsumexp(r.logits, -1);
+    stats->z_loss = (lse * lse).mean();
+    stats->load = f.detach().to(at::kDouble);
+  }
+  return y.view(h.sizes());
+}
+
+}  // namespace depthkit

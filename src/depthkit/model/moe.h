@@ -1,0 +1,51 @@
+// The sparse mixture-of-experts feed-forward branch (docs/design.md, "Mixture of experts"):
+// RMSNorm → router (softmax over all experts, top-k; ties to the lower expert index) → dropless
+// dispatch (the token copies sorted by expert, each expert's SwiGLU on its contiguous slice as one
+// grouped matrix product) → the outputs scattered back weighted by the gates, plus the shared
+// experts on every token. To the residual pathway it is f_ℓ like any other branch.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+#include "depthkit/config/config.h"
+
+namespace depthkit {
+
+class ParameterStore;
+
+// What one MoE forward leaves behind for the loss and the logs.
+struct MoeStats {
+  at::Tensor aux_loss;  // n_experts · Σ_e f_e · P_e (unscaled; 1.0 is uniform use), parameters' dtype
+  at::Tensor z_loss;    // mean over tokens of logsumexp(router logits)² (unscaled)
+  at::Tensor load;      // [n_experts] float64 f_e: the share of the token–expert assignments of expert e (sums to 1)
+};
+
+// Router output: which experts, with which weights (exposed for the tests).
+struct Routing {
+  at::Tensor logits;   // [N, E], parameters' dtype (float32 under bfloat16 compute)
+  at::Tensor probs;    // [N, E] softmax over all experts
+  at::Tensor experts;  // [N, k] int64, in decreasing logit order, ties to the lower index
+  at::Tensor gates;    // [N, k] the selected probabilities (renormalised when moe.renormalize)
+};
+
+struct MoeFeedForward {
+  // [d], [E, d], [E, f, d] ×2, [E, d, f]; shared (absent when n_shared_experts = 0): [S·fs, d] ×2, [d, S·fs]
+  at::Tensor norm, router, w_gate, w_up, w_down, shared_gate, shared_up, shared_down;
+  MoeConfig moe;
+  double eps;
+  MoeFeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
+  // [B, T, d] → [B, T, d]; `stats`, when given, receives the auxiliary terms of this call.
+  at::Tensor forward(const at::Tensor& h, MoeStats* stats = nullptr) const;
+  // The router on normalised inputs x [N, d].
+  Routing route(const at::Tensor& x) const;
+  // How the experts run: "grouped" (at::_grouped_mm) or "loop" (one at::mm per expert). The
+  // grouped product takes float32 and bfloat16 on the CPU, with rows a multiple of 16 bytes; float64
+  // and other devices take the loop. Settable for the tests and the benchmark ("auto": choose).
+  std::string expert_impl = "auto";
+  bool uses_grouped(const at::Tensor& x) const;
+  // Parameters per routed expert, and those one token uses (router, norm, top_k experts, shared).
+  static int64_t expert_parameters(const ModelConfig& c) { return 3 * c.d_model * c.moe.expert_d_ff; }
+};
+
+}  // namespace depthkit

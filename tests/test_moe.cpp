@@ -1,0 +1,364 @@
+// The sparse mixture-of-experts branch (model/moe.h) against a naive implementation written here
+// from the definition, the router's assignments, ties and auxiliary losses, the DAR paper's
+// sparse-MoE parameter counts (Table A.5), and that MoE models learn under two pathways.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mv.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "depthkit/model/moe.h"
+#include "depthkit/model/parameters.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/optimizer.h"
+#include "helpers.h"
+
+namespace depthkit::test {
+
+ModelConfig moe_model(int64_t E = 6, int64_t k = 2, int64_t shared = 2) {
+  ModelConfig m;
+  m.n_layers = 2;
+  m.d_model = 16;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.d_ff = 32;
+  m.vocab_size = 64;
+  m.seq_len = 16;
+  m.moe.n_experts = E;
+  m.moe.top_k = k;
+  m.moe.expert_d_ff = 8;
+  m.moe.n_shared_experts = shared;
+  m.moe.shared_d_ff = 4;
+  return m;
+}
+
+// Every parameter of `params` redrawn from N(0, 0.5²) (norm weights around 1), so the test does
+// not lean on the initialisation's structure.
+void randomize(ParameterStore& params, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::NoGradGuard no_grad;
+  for (const auto& p : params.all()) {
+    auto r = at::randn(p.tensor.sizes(), gen, at::kDouble).to(p.tensor.scalar_type()) * 0.5;
+    p.tensor.copy_(p.component == "norm" ? r + 1.0 : r);
+  }
+}
+
+// The branch from its definition, one token at a time: RMSNorm; router probabilities
+// p = softmax(W_r x) over all experts; the k largest, ties to the lower index; y = Σ_j p_{e_j}
+// SwiGLU_{e_j}(x) + Σ_s SwiGLU^shared_s(x), the shared experts as separate SwiGLUs.
+at::Tensor naive_moe(const MoeFeedForward& m, const at::Tensor& h) {
+  const int64_t d = h.size(-1), E = m.moe.n_experts, k = m.moe.top_k;
+  auto hs = h.reshape({-1, d});
+  std::vector<at::Tensor> rows;
+  for (int64_t n = 0; n < hs.size(0); ++n) {
+    auto hn = hs[n];
+    auto x = hn * at::rsqrt((hn * hn).mean() + m.eps) * m.norm;
+    auto logits = at::mv(m.router, x);
+    auto p = at::softmax(logits, 0);
+    std::vector<int64_t> chosen;
+    std::vector<double> l(E);
+    for (int64_t e = 0; e < E; ++e) l[e] = logits[e].item<double>();
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (std::find(chosen.begin(), chosen.end(), e) != chosen.end()) continue;
+        if (best < 0 || l[e] > l[best]) best = e;  // strict: an equal later index does not win
+      }
+      chosen.push_back(best);
+    }
+    at::Tensor denom = at::zeros({}, p.options());
+    for (int64_t e : chosen) denom = denom + p[e];
+    auto y = at::zeros({d}, h.options());
+    for (int64_t e : chosen) {
+      auto a = at::silu(at::mv(m.w_gate[e], x)) * at::mv(m.w_up[e], x);
+      auto gate = m.moe.renormalize ? p[e] / denom : p[e];
+      y = y + gate * at::mv(m.w_down[e], a);
+    }
+    const int64_t fs = m.moe.resolved_shared_d_ff();
+    for (int64_t s = 0; s < m.moe.n_shared_experts; ++s) {
+      auto g = m.shared_gate.narrow(0, s * fs, fs), u = m.shared_up.narrow(0, s * fs, fs);
+      auto dn = m.shared_down.narrow(1, s * fs, fs);
+      y = y + at::mv(dn, at::silu(at::mv(g, x)) * at::mv(u, x));
+    }
+    rows.push_back(y);
+  }
+  return at::stack(rows).view(h.sizes());
+}
+
+struct Grads {
+  at::Tensor out;
+  std::vector<at::Tensor> g;  // parameters', then the input's
+};
+
+template <class Fn>
+Grads run_with_grads(ParameterStore& params, const at::Tensor& h0, const at::Tensor& weight, Fn fn) {
+  params.zero_grad();
+  auto h = h0.detach().clone().set_requires_grad(true);
+  auto out = fn(h);
+  (out * weight).sum().backward();
+  Grads r{out.detach(), {}};
+  for (const auto& p : params.all())
+    r.g.push_back(p.tensor.grad().defined() ? p.tensor.grad().clone() : at::zeros_like(p.tensor));
+  r.g.push_back(h.grad().clone());
+  return r;
+}
+
+void expect_same(const Grads& a, const Grads& b, const ParameterStore& params, double rtol, double atol) {
+  EXPECT_TRUE(at::allclose(a.out, b.out, rtol, atol)) << (a.out - b.out).abs().max();
+  ASSERT_EQ(a.g.size(), b.g.size());
+  for (size_t i = 0; i < a.g.size(); ++i) {
+    const std::string name = i < params.all().size() ? params.all()[i].name : "input";
+    EXPECT_TRUE(at::allclose(a.g[i], b.g[i], rtol, atol)) << name << ": " << (a.g[i] - b.g[i]).abs().max();
+  }
+}
+
+TEST(Moe, BranchEqualsNaiveDefinitionFloat64) {
+  for (bool renormalize : {false, true})
+    for (auto [E, k, shared] : {std::tuple{6, 2, 2}, std::tuple{5, 1, 0}, std::tuple{4, 4, 1}}) {
+      ModelConfig c = moe_model(E, k, shared);
+      c.moe.renormalize = renormalize;
+      ParameterStore params(at::kCPU, 3, at::kDouble);
+      MoeFeedForward moe(c, params, "moe");
+      randomize(params, 11 + E);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      auto h = at::randn({3, 7, c.d_model}, gen, at::kDouble);
+      auto w = at::randn({3, 7, c.d_model}, gen, at::kDouble);
+      EXPECT_FALSE(moe.uses_grouped(h));  // float64: the per-expert loop
+      auto fast = run_with_grads(params, h, w, [&](const at::Tensor& x) { return moe.forward(x); });
+      auto naive = run_with_grads(params, h, w, [&](const at::Tensor& x) { return naive_moe(moe, x); });
+      SCOPED_TRACE(cat("E ", E, " k ", k, " shared ", shared, " renormalize ", renormalize));
+      expect_same(fast, naive, params, 1e-10, 1e-12);
+    }
+}
+
+TEST(Moe, GroupedProductEqualsLoopAndNaiveFloat32) {
+  ModelConfig c = moe_model(8, 3, 1);
+  ParameterStore params(at::kCPU, 3, at::kFloat);
+  MoeFeedForward moe(c, params, "moe");
+  randomize(params, 17);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  auto h = at::randn({2, 9, c.d_model}, gen);
+  auto w = at::randn({2, 9, c.d_model}, gen);
+  ASSERT_TRUE(moe.uses_grouped(h));
+  auto grouped = run_with_grads(params, h, w, [&](const at::Tensor& x) { return moe.forward(x); });
+  moe.expert_impl = "loop";
+  auto loop = run_with_grads(params, h, w, [&](const at::Tensor& x) { return moe.forward(x); });
+  auto naive = run_with_grads(params, h, w, [&](const at::Tensor& x) { return naive_moe(moe, x); });
+  expect_same(grouped, loop, params, 1e-4, 1e-5);
+  expect_same(grouped, naive, params, 1e-4, 1e-5);
+  // The incoming gradient of a plain sum is an expanded zero-stride tensor: accepted.
+  moe.expert_impl = "grouped";
+  params.zero_grad();
+  moe.forward(h).sum().backward();
+  EXPECT_TRUE(params.get("moe.experts.w_down").grad().defined());
+  // bfloat16 compute through the grouped product, float32 gradients on the parameters.
+  params.zero_grad();
+  auto hb = h.to(at::kBFloat16);
+  EXPECT_TRUE(moe.uses_grouped(hb));
+  auto yb = moe.forward(hb);
+  EXPECT_EQ(yb.scalar_type(), at::kBFloat16);
+  EXPECT_LT(((yb.to(at::kFloat) - grouped.out).abs().mean() / grouped.out.abs().mean()).item<double>(), 0.05);
+  yb.to(at::kFloat).sum().backward();
+  EXPECT_EQ(params.get("moe.experts.w_gate").grad().scalar_type(), at::kFloat);
+}
+
+TEST(Moe, EveryTokenHasExactlyTopKDistinctExperts) {
+  ModelConfig c = moe_model(7, 3, 0);
+  ParameterStore params(at::kCPU, 3, at::kDouble);
+  MoeFeedForward moe(c, params, "moe");
+  randomize(params, 4);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2);
+  auto x = at::randn({50, c.d_model}, gen, at::kDouble);
+  Routing r = moe.route(x);
+  auto assigned = at::zeros({50, 7}, at::kLong).scatter_(1, r.experts, 1);
+  EXPECT_TRUE(at::equal(assigned.sum(1), at::full({50}, 3, at::kLong)));  // distinct, exactly k
+  MoeStats s;
+  moe.forward(x.view({5, 10, c.d_model}), &s);
+  EXPECT_DOUBLE_EQ(s.load.sum().item<double>(), 1.0);
+  EXPECT_TRUE(at::allclose(s.load * double(50 * 3), assigned.sum(0).to(at::kDouble)));
+}
+
+TEST(Moe, AuxiliaryLossEqualsFormula) {
+  ModelConfig c = moe_model(6, 2, 1);
+  ParameterStore params(at::kCPU, 3, at::kDouble);
+  MoeFeedForward moe(c, params, "moe");
+  randomize(params, 9);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto h = at::randn({4, 8, c.d_model}, gen, at::kDouble);
+  MoeStats s;
+  moe.forward(h, &s);
+  // n_experts · Σ_e f_e · P_e from the definition, one token at a time.
+  auto x = at::rms_norm(h, {c.d_model}, moe.norm, moe.eps).reshape({-1, c.d_model});
+  Routing r = moe.route(x);
+  std::vector<double> f(6, 0.0), P(6, 0.0);
+  double z = 0;
+  const int64_t N = x.size(0);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < 2; ++j) f[r.experts[n][j].item<int64_t>()] += 1.0 / double(N * 2);
+    for (int64_t e = 0; e < 6; ++e) P[e] += r.probs[n][e].item<double>() / double(N);
+    const double lse = r.logits[n].exp().sum().log().item<double>();
+    z += lse * lse / double(N);
+  }
+  double aux = 0;
+  for (int64_t e = 0; e < 6; ++e) aux += 6.0 * f[e] * P[e];
+  EXPECT_NEAR(s.aux_loss.item<double>(), aux, 1e-12);
+  EXPECT_NEAR(s.z_loss.item<double>(), z, 1e-10);
+  // Its gradient reaches the router through P (f is a count).
+  s.aux_loss.backward();
+  EXPECT_GT(params.get("moe.router").grad().abs().sum().item<double>(), 0);
+}
+
+TEST(Moe, EqualLogitsGiveAuxOneAndTiesToLowerIndex) {
+  ModelConfig c = moe_model(6, 2, 0);
+  c.moe.aux_loss_coef = 0.25;
+  c.moe.z_loss_coef = 0;
+  c.moe.leading_dense_layers = 0;
+  Transformer model(c, ResidualConfig{}, at::kCPU, 1, at::kDouble);
+  {
+    at::NoGradGuard no_grad;
+    for (int64_t l = 0; l < c.n_layers; ++l) model.parameters().get(cat("layers.", l, ".feed_forward.router")).zero_();
+  }
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto batch = at::randint(c.vocab_size, {2, c.seq_len + 1}, gen);
+  auto total = model.loss(batch);
+  const MoeTerms& t = model.moe_terms();
+  EXPECT_NEAR(t.balance.item<double>(), 1.0, 1e-14);
+  EXPECT_NEAR(t.aux_loss.item<double>(), 0.25 * 1.0 * double(c.n_layers), 1e-14);  // summed over MoE layers
+  EXPECT_NEAR(total.item<double>() - t.lm_loss.item<double>(), 0.5, 1e-12);
+  EXPECT_NEAR(model.lm_loss(batch).item<double>(), t.lm_loss.item<double>(), 1e-14);
+  // All logits equal: every token goes to experts 0 and 1; the load is all theirs.
+  for (const auto& f : t.load) {
+    EXPECT_DOUBLE_EQ(f[0].item<double>(), 0.5);
+    EXPECT_DOUBLE_EQ(f[1].item<double>(), 0.5);
+    EXPECT_DOUBLE_EQ(f.sum().item<double>(), 1.0);
+  }
+  for (double m : t.load_max_over_mean()) EXPECT_DOUBLE_EQ(m, 3.0);
+  // Partial ties: experts 1 and 3 share the largest logit, 0, 2, 4 and 5 the next.
+  ParameterStore params(at::kCPU, 3, at::kDouble);
+  ModelConfig c3 = moe_model(6, 3, 0);
+  MoeFeedForward moe(c3, params, "moe");
+  {
+    at::NoGradGuard no_grad;
+    moe.router.fill_(0.5);
+    moe.router[1].fill_(1.0);
+    moe.router[3].fill_(1.0);
+  }
+  Routing r = moe.route(at::ones({4, c3.d_model}, at::kDouble));
+  for (int64_t n = 0; n < 4; ++n) {
+    EXPECT_EQ(r.experts[n][0].item<int64_t>(), 1);
+    EXPECT_EQ(r.experts[n][1].item<int64_t>(), 3);
+    EXPECT_EQ(r.experts[n][2].item<int64_t>(), 0);
+  }
+}
+
+TEST(Moe, DarTableA5ParameterCounts) {
+  // DAR Table A.5, in billions to three decimals: total excl./incl. vocabulary, active excl./incl.
+  struct Row {
+    const char* kind;
+    double total_ex, total_in, active_ex, active_in;
+  };
+  for (Row row : {Row{"residual", 6.949, 7.217, 1.136, 1.404}, Row{"attnres", 6.949, 7.217, 1.136, 1.404},
+                  Row{"dar", 6.949, 7.218, 1.136, 1.405}}) {
+    Config cfg = Config::load(source_dir() + "/configs/paper/dar-moe-7b.toml", {cat("residual.kind=", row.kind)});
+    ParameterCounts n = Transformer(cfg.model, cfg.residual, at::kMeta, 0).count();
+    auto b = [](int64_t v) { return std::round(double(v) / 1e6) / 1e3; };
+    EXPECT_DOUBLE_EQ(b(n.non_vocab), row.total_ex) << row.kind << " " << n.non_vocab;
+    EXPECT_DOUBLE_EQ(b(n.total), row.total_in) << row.kind << " " << n.total;
+    EXPECT_DOUBLE_EQ(b(n.active_non_vocab), row.active_ex) << row.kind << " " << n.active_non_vocab;
+    EXPECT_DOUBLE_EQ(b(n.active), row.active_in) << row.kind << " " << n.active;
+    if (std::string(row.kind) == "residual") {
+      EXPECT_EQ(n.non_vocab, 6'949'013'504);
+      EXPECT_EQ(n.active_non_vocab, 1'135'708'160);
+      EXPECT_EQ(n.total - n.non_vocab, 131072 * 2048);  // tied
+    }
+  }
+  // Dense: active is everything.
+  Config dense = Config::load(source_dir() + "/configs/paper/dense-0.1b.toml");
+  ParameterCounts d = Transformer(dense.model, dense.residual, at::kMeta, 0).count();
+  EXPECT_EQ(d.active, d.total);
+  EXPECT_EQ(d.active_non_vocab, d.non_vocab);
+}
+
+TEST(Moe, ConfigKeysValidatedAndWritten) {
+  auto base = std::string("[train]\nsteps = 1\n[moe]\n");
+  expect_error([&] { Config::parse(base + "n_experts = 4\ntop_k = 5\nexpert_d_ff = 8\n", "t"); }, {"'moe.top_k'", "moe.n_experts"});
+  expect_error([&] { Config::parse(base + "n_experts = 4\n", "t"); }, {"'moe.expert_d_ff'"});
+  expect_error([&] { Config::parse(base + "n_experts = 4\nexpert_d_ff = 8\nleading_dense_layers = 4\n", "t"); },
+               {"'moe.leading_dense_layers'"});
+  expect_error([&] { Config::parse(base + "router = \"sinkhorn\"\n", "t"); }, {"'moe.router'", "softmax_topk"});
+  expect_error([&] { Config::parse(base + "aux_loss_coef = -1\n", "t"); }, {"'moe.aux_loss_coef'"});
+  Config c = Config::parse(base + "n_experts = 4\nexpert_d_ff = 8\nn_shared_experts = 1\nrenormalize = true\n", "t");
+  EXPECT_EQ(c.model.moe.top_k, 2);
+  EXPECT_EQ(c.model.moe.resolved_shared_d_ff(), 8);
+  Config again = Config::parse(c.to_toml(), "again");
+  EXPECT_EQ(again.model.moe.n_experts, 4);
+  EXPECT_TRUE(again.model.moe.renormalize);
+  EXPECT_EQ(again.to_toml(), c.to_toml());
+  EXPECT_NE(c.to_toml().find("[moe]"), std::string::npos);
+}
+
+TEST(Moe, ModelIsCausal) {
+  ModelConfig c = moe_model(4, 2, 1);
+  c.moe.leading_dense_layers = 1;
+  for (const char* kind : {"residual", "dar"}) {
+    ResidualConfig r;
+    r.kind = kind;
+    Transformer model(c, r, at::kCPU, 2, at::kDouble);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+    auto a = at::randint(c.vocab_size, {2, 12}, gen);
+    auto b = a.clone();
+    b.select(1, 11).fill_((a[0][11].item<int64_t>() + 1) % c.vocab_size);
+    at::NoGradGuard no_grad;
+    auto la = model.logits(a), lb = model.logits(b);
+    EXPECT_TRUE(at::equal(la.narrow(1, 0, 11), lb.narrow(1, 0, 11))) << kind;
+    EXPECT_FALSE(at::equal(la, lb)) << kind;
+  }
+}
+
+TEST(Moe, TinyMoeModelLearnsWithResidualAndDar) {
+  for (const char* kind : {"residual", "dar"}) {
+    Config c = small_config("unused");
+    c.model.moe.n_experts = 4;
+    c.model.moe.top_k = 2;
+    c.model.moe.expert_d_ff = 16;
+    c.model.moe.n_shared_experts = 1;
+    c.model.moe.leading_dense_layers = 1;
+    c.model.n_layers = 3;
+    c.residual.kind = kind;
+    c.optim.weight_decay = 0;
+    Transformer m(c.model, c.residual, at::kCPU, 4);
+    AdamW opt(m.parameters(), c.optim);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+    at::Tensor batch = at::randint(c.model.vocab_size, {4, c.model.seq_len + 1}, gen);
+    double first = 0, last = 0;
+    for (int step = 0; step < 60; ++step) {
+      m.parameters().zero_grad();
+      at::Tensor loss = m.loss(batch);
+      loss.backward();
+      clip_grad_norm(m.parameters(), 1.0);
+      opt.step(1e-2);
+      (step == 0 ? first : last) = m.moe_terms().lm_loss.item<double>();
+      EXPECT_EQ(m.moe_terms().load.size(), 2u);  // layers 1 and 2
+    }
+    EXPECT_NEAR(first, std::log(double(c.model.vocab_size)), 0.3) << kind;
+    EXPECT_LT(last, 0.3 * first) << kind;
+    // The router and every expert received gradient.
+    EXPECT_GT(m.parameters().get("layers.1.feed_forward.router").grad().abs().sum().item<double>(), 0) << kind;
+  }
+}
+
+}  // namespace depthkit::test
