@@ -139,6 +139,8 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
   const int64_t global_batch = ranks * cfg.train.grad_accum * cfg.train.micro_batch;
   if (!opt.resume && holds_checkpoints(run_dir))  // checked again under the run directory's lock
     fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+  // The model's device: the CPU, or this rank's GPU (LOCAL_RANK) for train.device = "cuda".
+  const at::Device device = resolve_device(cfg.train.device, opt.launch.local_rank);
   check_data_meta(cfg);
   TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
   TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
@@ -146,9 +148,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
   if (opt.resume && !find_checkpoint(run_dir))
     fail(run_dir.string(), ": --resume given but the run has no checkpoint");
 
-  // One process at a time owns a run directory (its lock): rank 0. A fresh run creates it; when
-  // this call fails on bad input before its first checkpoint, a directory it created is removed
-  // (while it still holds the lock), and in an existing one the files it changed are put back.
+  // One process at a time owns a run directory (its lock): rank 0. A fresh run creates it.
   std::error_code ec;
   bool created = false;
   std::optional<DirectoryLock> lock;
@@ -221,8 +221,6 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     std::optional<AdamW> optim_slot;
     TrainerState st;
     int64_t memory_base = 0;
-    // The model's device: the CPU, or this rank's GPU (LOCAL_RANK) for train.device = "cuda".
-  const at::Device device = resolve_device(cfg.train.device, opt.launch.local_rank);
     try {
       if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
       // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
