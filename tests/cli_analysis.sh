@@ -82,6 +82,25 @@ rm cmp/runs/mhc2-seed2/summary.json
 "$DK" compare --spec spec.toml --out cmp --resume --json >cmp3.json 2>cmp3.log
 grep -q "mhc2-seed2 (mhc): resuming" cmp3.log || { cat cmp3.log; fail "compare --resume did not resume"; }
 
+# On an MoE backbone the table and results gain the router's balance, and aux_curves.png plots it.
+sed -e "s|configs/tiny.toml|configs/tiny-moe.toml|" -e 's|seeds = \[1, 2\]|seeds = [1]|' \
+    -e 's|"model.n_layers=3",|"model.n_layers=3", "moe.expert_d_ff=16", "moe.shared_d_ff=16",|' spec.toml >moe.toml
+"$DK" compare --spec moe.toml --out cmp-moe --json >cmp-moe.json 2>cmp-moe.log || { cat cmp-moe.log; fail "compare moe"; }
+python3 - <<'PY' || fail "compare moe results"
+import json
+r = json.load(open("cmp-moe.json"))
+for run in r["runs"]:
+    assert 0.5 < run["router_balance"] <= 8, run  # E * sum f*P: 1 at uniform use, E at most
+table = open("cmp-moe/table.md").read()
+assert "router balance |" in table.splitlines()[0] and "Router balance:" in table, table
+curves = json.load(open("cmp-moe/aux_curves.json"))
+assert [s["label"] for s in curves["series"]] == ["residual", "dar-full", "mhc2"]
+assert curves["reference"]["y"] == 1.0 and all(len(s["steps"]) == 30 for s in curves["series"])
+PY
+png_size cmp-moe/aux_curves.png 800 500
+grep -q "router balance" cmp/table.md && fail "a dense comparison's table has the router column"
+[ ! -e cmp/aux_curves.png ] || fail "a dense comparison plotted router balance"
+
 # analyze: every analysis DAR supports, and mHC's.
 "$DK" analyze --run-dir cmp/runs/dar-full-seed1 --sequences 3 --positions 16 --json >dar.json
 python3 - <<'PY' || fail "analyze dar"

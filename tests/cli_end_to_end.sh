@@ -13,10 +13,9 @@ for pair in dense-0.1b:98325120 dense-0.3b:304129024 dense-0.5b:491572480 dense-
 done
 got=$("$DK" params --config "$SRC/configs/paper/dense-0.1b.toml" --set model.n_layers=28 --json | json '["non_vocab"]')
 [ "$got" = $((98325120 / 16 * 28 - 640 * 28 / 16 + 640)) ] || fail "--set model.n_layers=28 gave $got"
-# Sparse-MoE counts (DAR Table A.5's Residual row, billions to three decimals): total excl./incl.
-# vocabulary, active per token under top-8 excl./incl. (The AttnRes and DAR rows are not yet
-# reproduced: docs/design.md, "Mixture of experts".)
-for row in residual:6.949:7.217:1.136:1.404; do
+# Sparse-MoE counts (DAR Table A.5, billions to three decimals): total excl./incl. vocabulary,
+# active per token under top-8 excl./incl.
+for row in residual:6.949:7.217:1.136:1.404 attnres:6.949:7.217:1.136:1.404 dar:6.949:7.218:1.136:1.405; do
   IFS=: read -r kind te ti ae ai <<<"$row"
   "$DK" params --config "$SRC/configs/paper/dar-moe-7b.toml" --set residual.kind="$kind" --json >moe_params.json
   for pair in non_vocab:$te total:$ti active_non_vocab:$ae active:$ai; do

@@ -25,6 +25,7 @@
 #include "depthkit/model/parameters.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
+#include "depthkit/pathways/registry.h"
 #include "helpers.h"
 
 namespace depthkit::test {
@@ -270,8 +271,8 @@ TEST(Moe, EqualLogitsGiveAuxOneAndTiesToLowerIndex) {
 }
 
 TEST(Moe, DarTableA5ParameterCounts) {
-  // DAR Table A.5's Residual row, in billions to three decimals: total excl./incl. vocabulary,
-  // active excl./incl.: 6.949, 7.217, 1.136, 1.404.
+  // DAR Table A.5, in billions to three decimals: total excl./incl. vocabulary, active
+  // excl./incl. The Residual row: 6.949, 7.217, 1.136, 1.404.
   auto b = [](int64_t v) { return std::round(double(v) / 1e6) / 1e3; };
   Config cfg = Config::load(source_dir() + "/configs/paper/dar-moe-7b.toml");
   ParameterCounts n = Transformer(cfg.model, cfg.residual, at::kMeta, 0).count();
@@ -282,15 +283,32 @@ TEST(Moe, DarTableA5ParameterCounts) {
   EXPECT_EQ(n.non_vocab, 6'949'013'504);
   EXPECT_EQ(n.active_non_vocab, 1'135'708'160);
   EXPECT_EQ(n.total - n.non_vocab, 131072 * 2048);  // tied
-  // The AttnRes and DAR rows are not reproduced yet (docs/design.md, "Mixture of experts"):
-  // depthkit's pathway parameters (one AttnRes query per branch; DAR's) exceed what the paper's
-  // rows allow. Pinned here so that a change is seen.
-  for (auto [kind, residual] : {std::pair{"attnres", 98'304}, std::pair{"dar", 1'151'208}}) {
-    Config k = Config::load(source_dir() + "/configs/paper/dar-moe-7b.toml", {cat("residual.kind=", kind)});
+  // The AttnRes and DAR rows: the config shares each block's pathway parameters per branch type
+  // (residual.share_within_block, docs/design.md): 2 × 8 blocks + the output = 17 AttnRes
+  // queries; 16 DAR sets of 12d + 5 and the two output queries.
+  struct Row {
+    const char* kind;
+    int64_t residual;
+    double excl, incl, active_excl, active_incl;
+  };
+  for (Row row : {Row{"attnres", 17 * 2048, 6.949, 7.217, 1.136, 1.404},
+                  Row{"dar", 16 * (12 * 2048 + 5) + 2 * 2048, 6.949, 7.218, 1.136, 1.405}}) {
+    Config k = Config::load(source_dir() + "/configs/paper/dar-moe-7b.toml", {cat("residual.kind=", row.kind)});
     ParameterCounts m = Transformer(k.model, k.residual, at::kMeta, 0).count();
-    EXPECT_EQ(m.residual, residual) << kind;
-    EXPECT_EQ(m.non_vocab, n.non_vocab + residual) << kind;
-    EXPECT_EQ(m.active, n.active + residual) << kind;
+    EXPECT_EQ(m.residual, row.residual) << row.kind;
+    EXPECT_EQ(m.non_vocab, n.non_vocab + row.residual) << row.kind;
+    EXPECT_EQ(m.active, n.active + row.residual) << row.kind;
+    EXPECT_DOUBLE_EQ(b(m.non_vocab), row.excl) << row.kind;
+    EXPECT_DOUBLE_EQ(b(m.total), row.incl) << row.kind;
+    EXPECT_DOUBLE_EQ(b(m.active_non_vocab), row.active_excl) << row.kind;
+    EXPECT_DOUBLE_EQ(b(m.active), row.active_incl) << row.kind;
+  }
+  // With a parameter set per branch, as the equations write them, the rows do not round to the
+  // paper's: AttnRes 48 queries (7.218 incl.), DAR 1,151,208 parameters (6.950 excl.).
+  for (auto [kind, residual] : {std::pair{"attnres", 98'304}, std::pair{"dar", 1'151'208}}) {
+    Config k = Config::load(source_dir() + "/configs/paper/dar-moe-7b.toml",
+                            {cat("residual.kind=", kind), "residual.share_within_block=false"});
+    EXPECT_EQ(Transformer(k.model, k.residual, at::kMeta, 0).count().residual, residual) << kind;
   }
   // Dense: active is everything.
   Config dense = Config::load(source_dir() + "/configs/paper/dense-0.1b.toml");
@@ -320,7 +338,7 @@ TEST(Moe, ConfigKeysValidatedAndWritten) {
 TEST(Moe, ModelIsCausal) {
   ModelConfig c = moe_model(4, 2, 1);
   c.moe.leading_dense_layers = 1;
-  for (const char* kind : {"residual", "dar"}) {
+  for (const std::string& kind : pathway_kind_names()) {  // the pathway seam is blind to the routing
     ResidualConfig r;
     r.kind = kind;
     Transformer model(c, r, at::kCPU, 2, at::kDouble);
@@ -335,8 +353,8 @@ TEST(Moe, ModelIsCausal) {
   }
 }
 
-TEST(Moe, TinyMoeModelLearnsWithResidualAndDar) {
-  for (const char* kind : {"residual", "dar"}) {
+TEST(Moe, TinyMoeModelLearnsWithEveryPathway) {
+  for (const std::string& kind : pathway_kind_names()) {
     Config c = small_config("unused");
     c.model.moe.n_experts = 4;
     c.model.moe.top_k = 2;

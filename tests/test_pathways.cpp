@@ -457,12 +457,20 @@ ResidualConfig residual(const std::string& kind, int64_t S) {
   return r;
 }
 
+// residual.share_within_block: branch ℓ reads the parameters of the earliest branch of its block
+// that has its type (attention branches are odd, feed-forward branches even).
+int64_t parameter_branch(int64_t l, int64_t S, bool shared) {
+  if (!shared) return l;
+  for (int64_t j = (l - 1) / S * S + 1;; ++j)
+    if ((l - j) % 2 == 0) return j;
+}
+
 std::unique_ptr<AttnResRef> attnres_ref(const at::Tensor& e, const Leaf& leaf, int64_t S, int64_t L,
-                                        const std::string& prefix, bool sepv) {
+                                        const std::string& prefix, bool sepv, bool shared = false) {
   auto ref = std::make_unique<AttnResRef>(e, S, L);
   ref->queries.resize(L + 1);
   ref->queries[1] = at::zeros({e.size(2)}, kF64);
-  for (int64_t l = 2; l <= L; ++l) ref->queries[l] = leaf(cat(prefix, ".query.", l));
+  for (int64_t l = 2; l <= L; ++l) ref->queries[l] = leaf(cat(prefix, ".query.", parameter_branch(l, S, shared)));
   ref->out_query = leaf(prefix + ".out_query");
   if (sepv)
     for (int64_t r = 0; r <= (L + S - 1) / S; ++r) ref->maps.push_back(leaf(cat(prefix, ".value_map.", r)));
@@ -499,6 +507,21 @@ TEST(AttnRes, EqualsTheEquations) {
           return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", r.kind == "attnres_sepv");
         });
       }
+}
+
+// One query per block and branch type (residual.share_within_block): every use of a shared query
+// adds to one gradient.
+TEST(AttnRes, SharedWithinBlockEqualsTheEquations) {
+  for (PathwayCase c : kBlockCases)
+    for (const char* impl : {"reference", "fused"}) {
+      SCOPED_TRACE(cat(impl, " n_layers ", c.n_layers, " S ", c.S, " T ", c.T));
+      ResidualConfig r = residual("attnres", c.S);
+      r.impl = impl;
+      r.share_within_block = true;
+      check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
+        return attnres_ref(e, leaf, c.S, 2 * c.n_layers, "residual", false, true);
+      });
+    }
 }
 
 TEST(AttnResSepV, StartsAsAttnRes) {
@@ -628,26 +651,52 @@ TEST(AttnRes, ParameterCounts) {
   }
 }
 
+// DAR Table A.3's Block rows (K = 2 layers, S = 4), to the printed precision (millions, three
+// decimals, excl. vocabulary), with one parameter set per block and branch type: AttnRes 2 queries
+// per block + the output query; DAR 2 sets of 12d + 5 per block + the two output queries.
+TEST(SharedWithinBlock, ReproducesDarTableA3BlockRows) {
+  struct Row {
+    const char* config;
+    double attnres, dar;
+  };
+  for (Row row : {Row{"dense-0.1b", 98.336, 98.449}, Row{"dense-0.3b", 304.151, 304.377},
+                  Row{"dense-0.5b", 491.599, 491.882}, Row{"dense-1b", 1069.674, 1070.127}})
+    for (const char* kind : {"attnres", "dar"}) {
+      Config c = Config::load(source_dir() + "/configs/paper/" + row.config + ".toml",
+                              {cat("residual.kind=", kind), "residual.block_sublayers=4", "residual.share_within_block=true"});
+      const int64_t d = c.model.d_model, blocks = c.model.n_branches() / 4;
+      const ParameterCounts n = Transformer(c.model, c.residual, at::kMeta, 0).count();
+      EXPECT_EQ(n.residual, std::string(kind) == "dar" ? 2 * blocks * (12 * d + 5) + 2 * d : (2 * blocks + 1) * d)
+          << row.config << " " << kind;
+      EXPECT_DOUBLE_EQ(std::round(double(n.non_vocab) / 1e3) / 1e3, std::string(kind) == "dar" ? row.dar : row.attnres)
+          << row.config << " " << kind;
+    }
+}
 
 TEST(Dar, EqualsTheEquations) {
   struct Case {
     int64_t n_layers, S, T;
     const char* routing;
+    bool shared = false;
   };
+  // The last three share each block's parameters per branch type (residual.share_within_block).
   for (Case c : {Case{3, 2, 5, "cross"}, Case{3, 4, 5, "cross"}, Case{3, 4, 1, "cross"}, Case{2, 8, 3, "cross"},
-                 Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"}})
+                 Case{3, 6, 4, "cross"}, Case{3, 4, 3, "self"}, Case{3, 4, 3, "cross_value"}, Case{3, 2, 3, "fixed"},
+                 Case{3, 4, 5, "cross", true}, Case{3, 6, 4, "cross", true}, Case{4, 3, 3, "self", true}})
    for (const char* impl : {"reference", "fused"}) {
-    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing, " ", impl));
+    SCOPED_TRACE(cat("n_layers ", c.n_layers, " S ", c.S, " T ", c.T, " routing ", c.routing, " shared ", c.shared, " ",
+                     impl));
     ResidualConfig r = residual("dar", c.S);
     r.routing = c.routing;
     r.impl = impl;
+    r.share_within_block = c.shared;
     const int64_t L = 2 * c.n_layers;
     check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
       auto ref = std::make_unique<DarRef>(e, c.S, L, c.routing);
       DarParams& P = ref->P;
       for (auto* v : {&P.q0, &P.q1, &P.wa, &P.ba, &P.wb, &P.bb, &P.wr, &P.br}) v->resize(L + 1);
       for (int64_t l = 1; l <= L; ++l) {
-        const std::string p = cat("residual.", l, ".");
+        const std::string p = cat("residual.", parameter_branch(l, c.S, c.shared), ".");
         P.q0[l] = leaf(p + "q0");
         P.q1[l] = leaf(p + "q1");
         P.wa[l] = leaf(p + "alpha.weight");

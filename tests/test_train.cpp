@@ -67,12 +67,11 @@ TEST_F(TrainTest, CheckpointRoundTrip) {
                {"model.safetensors", "'embedding'", "shape"});
 }
 
-TEST_F(TrainTest, ResumeContinuesWithIdenticalLosses) {
-  TrainOptions whole = options("whole");
+// Trains `whole` in one go and `part` interrupted after step 3 then resumed; every loss, the
+// validation loss, the weights and the optimizer state must be bit for bit the same.
+void expect_exact_resume(TrainOptions whole, TrainOptions part) {
   TrainResult a = train(whole);
   ASSERT_EQ(a.losses.size(), 8u);
-
-  TrainOptions part = options("parts");
   part.stop_after = 3;  // interrupted between periodic checkpoints
   TrainResult b1 = train(part);
   EXPECT_TRUE(b1.interrupted);
@@ -89,6 +88,32 @@ TEST_F(TrainTest, ResumeContinuesWithIdenticalLosses) {
   auto cb = load_checkpoint(*find_checkpoint(part.run_dir), true);
   for (auto& [name, t] : ca.model.tensors) EXPECT_TRUE(at::equal(t, cb.model.tensors.at(name))) << name;
   for (auto& [name, t] : ca.optimizer.tensors) EXPECT_TRUE(at::equal(t, cb.optimizer.tensors.at(name))) << name;
+}
+
+TEST_F(TrainTest, ResumeContinuesWithIdenticalLosses) { expect_exact_resume(options("whole"), options("parts")); }
+
+// The same with a sparse-MoE backbone (its auxiliary loss in the optimised loss) and DAR.
+TEST_F(TrainTest, MoeResumeContinuesWithIdenticalLosses) {
+  TrainOptions whole = options("whole"), part = options("parts");
+  for (TrainOptions* o : {&whole, &part}) {
+    o->config.model.moe.n_experts = 4;
+    o->config.model.moe.top_k = 2;
+    o->config.model.moe.expert_d_ff = 16;
+    o->config.model.moe.n_shared_experts = 1;
+    o->config.model.moe.leading_dense_layers = 1;
+    o->config.residual.kind = "dar";
+  }
+  expect_exact_resume(whole, part);
+  std::map<int64_t, double> aux_a, aux_b;  // the logged auxiliary losses too
+  for (auto [run, aux] : {std::pair{&whole, &aux_a}, std::pair{&part, &aux_b}}) {
+    std::ifstream in(run->run_dir / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("aux_loss")) (*aux)[j["step"].get<int64_t>()] = j["aux_loss"].get<double>();
+    }
+  }
+  EXPECT_FALSE(aux_a.empty());
+  EXPECT_EQ(aux_a, aux_b);
 }
 
 TEST_F(TrainTest, FreshRunRefusesToOverwriteCheckpoints) {

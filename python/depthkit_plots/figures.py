@@ -23,17 +23,25 @@ def _moving_average(values, window):
 
 
 def curves(data):
-    """Training-loss curves (moving average), one line per run (DAR Fig. 2)."""
+    """Curves of a logged metric (moving average), one line per run: training loss (DAR Fig. 2),
+    or an MoE run's router balance with its reference at 1.0 (DAR Fig. A.2)."""
     fig, ax = plt.subplots(figsize=(8, 5), dpi=DPI)
     window = int(data.get("window", 1))
     for s in data["series"]:
         ax.plot(s["steps"], _moving_average(s["loss"], window), label=s["label"], linewidth=1.4)
+    ref = data.get("reference")  # a horizontal reference line, e.g. 1.0 = uniform expert use
+    if ref:
+        ax.axhline(ref["y"], color="black", linestyle="--", linewidth=1, label=ref.get("label"))
+    ylabel = data.get("ylabel", "training loss")
     ax.set_xlabel(data.get("xlabel", "step"))
-    ax.set_ylabel(f"training loss ({window}-point moving average)" if window > 1 else "training loss")
+    ax.set_ylabel(f"{ylabel} ({window}-point moving average)" if window > 1 else ylabel)
     ax.set_title(data.get("title", "training loss"))
     lo = [min(_moving_average(s["loss"], window)[len(s["loss"]) // 4:], default=None) for s in data["series"]]
     hi = [np.percentile(s["loss"], 90) for s in data["series"] if s["loss"]]
     lo = [v for v in lo if v is not None]
+    if ref:
+        lo.append(ref["y"])
+        hi.append(ref["y"])
     if lo and hi:  # the interesting part: from the best loss to the early plateau
         span = max(hi) - min(lo)
         ax.set_ylim(min(lo) - 0.05 * span, max(hi) + 0.05 * span)

@@ -17,7 +17,7 @@ CostReport training_cost(const ModelConfig& model, const ResidualConfig& residua
   c.branches = model.n_branches();
   const PathwayKind& kind = pathway_kind(residual.kind);  // its cost terms (pathways/registry.h)
   c.block_sublayers = kind.blocks ? residual.block_sublayers : 1;
-  const BlockSchedule schedule{c.block_sublayers, c.branches};
+  const BlockSchedule schedule{c.block_sublayers, c.branches, false};
   c.blocks = schedule.blocks();
   c.streams = kind.streams > 0 ? kind.streams : residual.streams;
   const CostShape s{double(c.d), double(c.branches), double(c.block_sublayers), double(c.blocks), double(c.streams),

@@ -78,15 +78,39 @@ double sample_std(const std::vector<double>& v) {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 // Training losses by step from metrics.jsonl.
-std::map<int64_t, double> read_losses(const fs::path& metrics) {
+// One metric of metrics.jsonl by step: "loss", or an MoE run's "balance".
+std::map<int64_t, double> read_metric(const fs::path& metrics, const char* key) {
   std::map<int64_t, double> out;
   std::ifstream in(metrics);
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.contains("loss") && j.contains("step")) out[j["step"].get<int64_t>()] = j["loss"].get<double>();
+    if (!j.is_discarded() && j.contains(key) && j.contains("step") && j[key].is_number())
+      out[j["step"].get<int64_t>()] = j[key].get<double>();
   }
   return out;
+}
+
+// The mean over the logged steps in the last tenth of the run (at least the last one).
+double tail_mean(const std::map<int64_t, double>& curve) {
+  if (curve.empty()) return NAN;
+  const int64_t from = curve.rbegin()->first - curve.rbegin()->first / 10;
+  double sum = 0;
+  int64_t n = 0;
+  for (auto it = curve.lower_bound(from); it != curve.end(); ++it, ++n) sum += it->second;
+  return sum / double(n);
+}
+
+// Adds the mean over seeds of each step every seed logged to a plotted series.
+nlohmann::json mean_series(const std::string& label, const std::map<int64_t, std::vector<double>>& curve, size_t seeds,
+                           const char* key) {
+  nlohmann::json series = {{"label", label}, {"steps", nlohmann::json::array()}, {key, nlohmann::json::array()}};
+  for (auto& [step, v] : curve) {
+    if (v.size() != seeds) continue;  // a step every seed logged
+    series["steps"].push_back(step);
+    series[key].push_back(mean(v));
+  }
+  return series;
 }
 
 }  // namespace
@@ -225,12 +249,21 @@ nlohmann::json run_compare(const CompareOptions& opt) {
                            {"window", spec.smooth},
                            {"xlabel", "step"},
                            {"series", nlohmann::json::array()}};
+  // MoE backbones: the router's balancing term per run (DAR Fig. A.2; 1.0 = uniform use).
+  nlohmann::json aux_curves = {{"title", "router balance (n_experts · Σ f·P, mean over MoE layers): " +
+                                             spec.file.stem().string()},
+                               {"window", spec.smooth},
+                               {"xlabel", "step"},
+                               {"ylabel", "auxiliary balance loss"},
+                               {"reference", {{"y", 1.0}, {"label", "uniform use"}}},
+                               {"series", nlohmann::json::array()}};
   double baseline_loss = NAN, total_seconds = 0;
   int64_t tokens_per_run = 0, eval_tokens = 0;
   for (const auto& r : spec.runs) {
     std::vector<double> losses, rates, peaks, rss;
     nlohmann::json seeds = nlohmann::json::array();
-    std::map<int64_t, std::vector<double>> curve;
+    std::map<int64_t, std::vector<double>> curve, balance_curve;
+    std::vector<double> balances;
     Config cfg;
     for (int64_t seed : spec.seeds) {
       const fs::path dir = out / "runs" / run_label(r, seed);
@@ -248,7 +281,10 @@ nlohmann::json run_compare(const CompareOptions& opt) {
                        {"tokens_per_s", s.value("tokens_per_s", 0.0)},
                        {"peak_tensor_bytes", s.value("peak_tensor_bytes", 0)}, {"peak_rss_bytes", s.value("peak_rss_bytes", 0)},
                        {"train_seconds", s.value("train_seconds", 0.0)}});
-      for (auto [step, loss] : read_losses(dir / "metrics.jsonl")) curve[step].push_back(loss);
+      for (auto [step, loss] : read_metric(dir / "metrics.jsonl", "loss")) curve[step].push_back(loss);
+      const auto balance = read_metric(dir / "metrics.jsonl", "balance");
+      for (auto [step, b] : balance) balance_curve[step].push_back(b);
+      if (!balance.empty()) balances.push_back(tail_mean(balance));
     }
     Transformer meta(cfg.model, cfg.residual, at::kMeta, 0);
     const ParameterCounts pc = meta.count();
@@ -257,15 +293,13 @@ nlohmann::json run_compare(const CompareOptions& opt) {
                         {"seeds", seeds}, {"val_loss_mean", mean(losses)}, {"val_loss_std", number_or_null(sample_std(losses))},
                         {"tokens_per_s", mean(rates)}, {"peak_tensor_bytes", int64_t(mean(peaks))},
                         {"peak_rss_bytes", int64_t(mean(rss))}};
+    if (balances.size() == spec.seeds.size()) {
+      j["router_balance"] = mean(balances);  // the last tenth of the run, mean over seeds
+      aux_curves["series"].push_back(mean_series(r.name, balance_curve, spec.seeds.size(), "loss"));
+    }
     if (r.name == spec.baseline) baseline_loss = mean(losses);
     runs.push_back(j);
-    nlohmann::json series = {{"label", r.name}, {"steps", nlohmann::json::array()}, {"loss", nlohmann::json::array()}};
-    for (auto& [step, v] : curve) {
-      if (v.size() != spec.seeds.size()) continue;  // a step every seed logged
-      series["steps"].push_back(step);
-      series["loss"].push_back(mean(v));
-    }
-    curves["series"].push_back(series);
+    curves["series"].push_back(mean_series(r.name, curve, spec.seeds.size(), "loss"));
   }
   for (auto& j : runs)
     j["delta_percent"] = number_or_null(100 * (j["val_loss_mean"].get<double>() - baseline_loss) / baseline_loss);
@@ -277,6 +311,10 @@ nlohmann::json run_compare(const CompareOptions& opt) {
   write_file_atomic(out / "table.md", compare_table(results));
   write_file_atomic(out / "loss_curves.json", curves.dump() + "\n");
   render_plot("curves", out / "loss_curves.json", out / "loss_curves.png");
+  if (!aux_curves["series"].empty()) {
+    write_file_atomic(out / "aux_curves.json", aux_curves.dump() + "\n");
+    render_plot("curves", out / "aux_curves.json", out / "aux_curves.png");
+  }
   write_file_atomic(out / "results.json", results.dump(2) + "\n");
   return results;
 }
@@ -291,9 +329,12 @@ std::string compare_table(const nlohmann::json& results) {
     return out;
   };
   char buf[128];
+  bool moe = false;  // a column for the router's balance when some run has an MoE backbone
+  for (const auto& r : results["runs"]) moe = moe || r.contains("router_balance");
   std::string t = cat("| run | kind | parameters (residual) | validation loss | Δ vs ",
                       results["baseline"].get<std::string>().empty() ? "—" : results["baseline"].get<std::string>(),
-                      " | tokens/s | peak memory |\n|---|---|---|---|---|---|---|\n");
+                      " | tokens/s | peak memory |", moe ? " router balance |" : "", "\n|---|---|---|---|---|---|---|",
+                      moe ? "---|" : "", "\n");
   const size_t n_seeds = results["seeds"].size();
   for (const auto& r : results["runs"]) {
     const auto& p = r["parameters"];
@@ -313,7 +354,12 @@ std::string compare_table(const nlohmann::json& results) {
                   double(r["peak_tensor_bytes"].get<int64_t>()) / (1 << 20));
     t += cat("| ", r["name"].get<std::string>(), " | ", r["kind"].get<std::string>(), " | ",
              group(p["total"].get<int64_t>()), " (", group(p["residual"].get<int64_t>()), ") | ", loss, " | ", delta,
-             " | ", buf, " |\n");
+             " | ", buf, " |");
+    if (moe) {
+      std::snprintf(buf, sizeof buf, " %.4f |", r.value("router_balance", NAN));
+      t += r.contains("router_balance") ? std::string(buf) : " — |";
+    }
+    t += "\n";
   }
   std::snprintf(buf, sizeof buf, "%.1f", results["train_seconds_total"].get<double>() / 60);
   t += cat("\nValidation loss: mean ± sample standard deviation over ", n_seeds, " seed", n_seeds == 1 ? "" : "s", " (",
@@ -322,6 +368,10 @@ std::string compare_table(const nlohmann::json& results) {
            "training steps and peak tensor memory (parameters, optimizer state, activations) of each run, averaged "
            "over seeds; ", buf,
            " min of training in all.\n");
+  if (moe)
+    t += "Router balance: the auxiliary load-balancing term n_experts · Σ_e f_e · P_e, mean over MoE layers, averaged "
+         "over the logged steps of the last tenth of training (1.0 = uniform use; DAR Fig. A.2); its curves are in "
+         "aux_curves.png.\n";
   return t;
 }
 

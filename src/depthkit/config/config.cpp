@@ -58,6 +58,7 @@ std::vector<Field> fields(Config& c) {
       {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
       {"residual", "kind", &r.kind, -kInf, kInf, pathway_kind_names()},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
+      {"residual", "share_within_block", &r.share_within_block},
       {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
       {"residual", "streams", &r.streams, 1, 64},
       {"residual", "kernels", &r.kernels, 1, 4096},

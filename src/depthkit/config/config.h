@@ -52,6 +52,9 @@ struct ModelConfig {
 struct ResidualConfig {
   std::string kind = "residual";
   int64_t block_sublayers = 2;  // S: branches per block (block forms of the depth pathways)
+  // One parameter set per block and branch type instead of per branch (AttnRes, DAR; the
+  // parameter counts of DAR Tables A.3 and A.5, docs/design.md).
+  bool share_within_block = false;
   std::string routing = "cross";  // DAR key/value routing (DAR eq. 22): cross | self | cross_value | fixed
   int64_t streams = 4;            // m: MSAR streams, mHC streams
   std::vector<int64_t> kernels = {4, 8, 12};  // MSAR causal conv kernel sizes κ_1 … κ_{m−1}

@@ -25,10 +25,15 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
-    : schedule_{residual.block_sublayers, model.n_branches()}, query_(schedule_.branches + 1),
-      ops_(residual.impl, params.device().type(), {"depth_read", "depth_merge"}) {
-  for (int64_t l = 2; l <= schedule_.branches; ++l)
-    query_[l] = params.add(prefix + ".query." + std::to_string(l), "residual", {model.d_model}, Init::Zeros);
+    : schedule_{residual.block_sublayers, model.n_branches(), residual.share_within_block},
+      query_(schedule_.branches + 1), ops_(residual.impl, params.device().type(), {"depth_read", "depth_merge"}) {
+  // Branch 1 has one candidate and no query; a shared query is named after its owner branch.
+  for (int64_t l = 2; l <= schedule_.branches; ++l) {
+    const int64_t o = schedule_.owner(l);
+    if (!query_[o].defined())
+      query_[o] = params.add(prefix + ".query." + std::to_string(o), "residual", {model.d_model}, Init::Zeros);
+    query_[l] = query_[o];
+  }
   out_query_ = params.add(prefix + ".out_query", "residual", {model.d_model}, Init::Zeros);
   if (residual.kind == "attnres_sepv") {
     const int64_t d = model.d_model, n_sources = 1 + schedule_.blocks();

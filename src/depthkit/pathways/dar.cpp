@@ -36,25 +36,33 @@ std::pair<int, int> route(const std::string& routing, int j) {
 }  // namespace
 
 Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : schedule_{residual.block_sublayers, model.n_branches()}, routing_(residual.routing),
+    : schedule_{residual.block_sublayers, model.n_branches(), residual.share_within_block}, routing_(residual.routing),
       ops_(residual.impl, params.device().type(), {"dar_read", "dar_write", "depth_read"}),
       branch_(schedule_.branches + 1) {
   const int64_t d = model.d_model;
   // Gate weights: logits of standard deviation kGateLogitStd on the unit-RMS input h̄ (2d features).
   const double gate_std = kGateLogitStd / std::sqrt(2.0 * double(d));
+  // A branch's parameters are named after their owner: the branch itself, or the first branch of
+  // its block and type when the block shares them (BlockSchedule::owner); owners come first.
   for (int64_t l = 1; l <= schedule_.branches; ++l) {
-    const std::string p = "residual." + std::to_string(l) + ".";
-    Branch& b = branch_[l];
-    b.q0 = params.add(p + "q0", "residual", {d}, Init::Zeros);
-    b.q1 = params.add(p + "q1", "residual", {d}, Init::Zeros);
-    b.w_alpha = params.add(p + "alpha.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
-    b.b_alpha = params.add(p + "alpha.bias", "residual", {2}, Init::Zeros);
-    b.w_beta = params.add(p + "beta.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
-    b.b_beta = params.add(p + "beta.bias", "residual", {2}, Init::Zeros);
-    if (!schedule_.opens(l)) {  // transport gate: only branches that find a partial state
+    const int64_t o = schedule_.owner(l);
+    const std::string p = "residual." + std::to_string(o) + ".";
+    Branch& b = branch_[o];
+    if (o == l) {
+      b.q0 = params.add(p + "q0", "residual", {d}, Init::Zeros);
+      b.q1 = params.add(p + "q1", "residual", {d}, Init::Zeros);
+      b.w_alpha = params.add(p + "alpha.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
+      b.b_alpha = params.add(p + "alpha.bias", "residual", {2}, Init::Zeros);
+      b.w_beta = params.add(p + "beta.weight", "residual", {2, 2 * d}, Init::Normal, gate_std);
+      b.b_beta = params.add(p + "beta.bias", "residual", {2}, Init::Zeros);
+    }
+    // The transport gate exists where a partial state does: for a branch that does not open its
+    // block (or, shared, for a set one of whose branches does not).
+    if (!schedule_.opens(l) && !b.w_rho.defined()) {
       b.w_rho = params.add(p + "rho.weight", "residual", {1, 2 * d}, Init::Zeros);
       b.b_rho = params.add(p + "rho.bias", "residual", {1}, Init::Constant, kRhoBias);
     }
+    branch_[l] = b;
   }
   out_q0_ = params.add("residual.out.q0", "residual", {d}, Init::Zeros);
   out_q1_ = params.add("residual.out.q1", "residual", {d}, Init::Zeros);
@@ -97,8 +105,10 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
   // eq. 16–17: P^i = β ⊗ f(h) at block start, M(ρ) P^{i−1} + β ⊗ f(h) after.
   auto write = ops_.fused("dar_write") ? fused::dar_write : reference::dar_write;
-  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), cast_like(b.w_rho, out), cast_like(b.b_rho, out),
-                        kKeyNormEps);
+  // A branch that opens its block has no transport (a shared set may still hold a gate).
+  const bool transport = !schedule_.opens(l);
+  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), transport ? cast_like(b.w_rho, out) : at::Tensor(),
+                        transport ? cast_like(b.b_rho, out) : at::Tensor(), kKeyNormEps);
   s.p0 = p0.view({B, T, d});
   s.p1 = p1.view({B, T, d});
   if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)

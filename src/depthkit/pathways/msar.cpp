@@ -30,7 +30,7 @@ Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 }  // namespace
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
-    : schedule_{residual.block_sublayers, model.n_branches()}, m_(residual.streams), conv_(residual.conv),
+    : schedule_{residual.block_sublayers, model.n_branches(), false}, m_(residual.streams), conv_(residual.conv),
       mean_fusion_(residual.fusion == "mean"),
       ops_(residual.impl, params.device().type(), {"msar_read", "msar_fuse"}), d_(model.d_model),
       kernels_(residual.kernels), branch_(schedule_.branches + 1), bank_(schedule_.branches) {

@@ -42,6 +42,9 @@ class PathwayObserver {
 struct BlockSchedule {
   int64_t size;      // S, branches per block
   int64_t branches;  // L_b
+  // residual.share_within_block: the attention branches of a block share one parameter set and
+  // its feed-forward branches another (docs/design.md, "Parameters shared within a block").
+  bool shared = false;
 
   // ℓ is the first branch of its block (no partial to merge).
   bool opens(int64_t l) const { return (l - 1) % size == 0; }
@@ -52,6 +55,13 @@ struct BlockSchedule {
   // The block b = 1 … blocks() that holds branch ℓ; at ℓ it has b completed sources before it
   // (the embedding and blocks 1 … b − 1).
   int64_t block_of(int64_t l) const { return (l - 1) / size + 1; }
+  // The branch whose parameters ℓ uses: ℓ itself, or under `shared` the first branch of ℓ's block
+  // of ℓ's type (branches alternate attention, feed-forward: odd ℓ attention).
+  int64_t owner(int64_t l) const {
+    if (!shared) return l;
+    const int64_t first = (block_of(l) - 1) * size + 1;
+    return (first - l) % 2 == 0 ? first : first + 1;
+  }
 };
 
 // Per-forward state of a pathway (the residual stream, a depth history, several streams...).
