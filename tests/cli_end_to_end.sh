@@ -135,4 +135,38 @@ assert set(ops) == nine, sorted(ops)
 # them by ~1e-2).
 python3 "$SRC/bench/parity" --depthkit "$DK" --config "$SRC/configs/tiny.toml" --steps 8 \
   "${SETS[@]}" --set train.eval_tokens=1024 >parity.txt || { cat parity.txt; fail "parity"; }
+
+# MSAR's MoE backbones (MSAR Appendix A Table 3, Appendix B Table 4; docs/design.md, "MSAR's MoE
+# backbones"): exact counts of the Vanilla backbone as shipped and with --set residual.kind=msar
+# (eq. 20's increment on every count); then the paper's figures, at the paper's precision, from
+# its accounting: Table 3's totals count everything, Table 4's totals and both tables' activated
+# counts drop the input embedding only ("-": the table has no such figure).
+for row in msar-moe-10b:9784584160:9151997920:1420388320:787802080:2745750:10:1.1:9.47:1.10 \
+           msar-moe-18b:17722165824:17079847488:2087553600:1445235264:5204248:18:1.7:17.40:1.77 \
+           msar-moe-28b:27979082240:27200514560:3112102400:2333534720:7209280:28:2.7:-:- \
+           msar-moe-scaling-2.21b:2365815808:2054388736:494107648:182680576:1351830:-:-:2.21:0.34 \
+           msar-moe-scaling-3.75b:3906089200:3589796080:620155120:303862000:2105190:-:-:3.75:0.46; do
+  IFS=: read -r cfg total nonv act actnv msar t3tot t3act t4tot t4act <<<"$row"
+  for kind in residual msar; do
+    add=0; [ $kind = msar ] && add=$msar
+    "$DK" params --config "$SRC/configs/paper/$cfg.toml" --set residual.kind=$kind --json >msar_moe_$kind.json
+    for pair in total:$((total + add)) non_vocab:$((nonv + add)) active:$((act + add)) \
+                active_non_vocab:$((actnv + add)) residual:$add; do
+      got=$(json "[\"${pair%%:*}\"]" <msar_moe_$kind.json)
+      [ "$got" = "${pair##*:}" ] || fail "params $cfg $kind: ${pair%%:*} $got, expected ${pair##*:}"
+    done
+  done
+  python3 - msar_moe_residual.json "$t3tot" "$t3act" "$t4tot" "$t4act" <<'PY' || fail "params $cfg: the paper's figures"
+import json, sys
+c = json.load(open(sys.argv[1]))
+emb = c["components"]["embedding"]
+ours = [c["total"], c["active"] - emb, c["total"] - emb, c["active"] - emb]
+for i, (paper, n) in enumerate(zip(sys.argv[2:], ours)):
+    if paper != "-":
+        places = len(paper.split(".")[1]) if "." in paper else 0
+        if i == 1:  # Table 3's activated counts are cut, not rounded: 18B's 1.766B is its "1.7B"
+            n = n // 10 ** (9 - places) * 10 ** (9 - places)
+        assert f"{n / 1e9:.{places}f}" == paper, (n, paper)
+PY
+done
 echo "cli_end_to_end: 1 passed, 0 failed"
