@@ -127,6 +127,36 @@ TEST(Accounting, BackboneFlopsAreSixTimesTheMatrixParametersPlusAttention) {
   EXPECT_DOUBLE_EQ(c.overhead_percent, 0.0);
 }
 
+// An MoE backbone: 6 × the matrix parameters a token uses (the k routed experts of E it reaches,
+// the shared experts, the router, the leading dense layer) + attention + the gate-weighted sums.
+TEST(Accounting, MoeBackboneCountsTheActiveExperts) {
+  ModelConfig model;
+  model.n_layers = 3;
+  model.d_model = 48;
+  model.n_heads = 6;
+  model.n_kv_heads = 2;
+  model.d_ff = 100;
+  model.vocab_size = 300;
+  model.seq_len = 31;
+  model.moe.n_experts = 8;
+  model.moe.top_k = 3;
+  model.moe.expert_d_ff = 20;
+  model.moe.n_shared_experts = 2;
+  model.moe.shared_d_ff = 12;
+  model.moe.leading_dense_layers = 1;
+  ResidualConfig r;
+  const ParameterCounts n = Transformer(model, r, at::kMeta, 0).count();
+  double matrices = 0;
+  for (const auto& [component, count] : n.by_component) {
+    if (component == "attention" || component == "feed_forward" || component == "router" || component == "lm_head")
+      matrices += double(count);
+    if (component == "experts") matrices += double(count) * 3 / 8;  // k of E experts per token
+  }
+  const double attention = 3.0 * 3 * (2 * 2 * 6 * 8 * (31 + 1) / 2.0);
+  const double combine = 3.0 * 2 * (2 * 3 * 48);  // 2 MoE layers, k weighted d-vectors each
+  EXPECT_DOUBLE_EQ(training_cost(model, r).backbone_flops, 6.0 * matrices + attention + combine);
+}
+
 TEST(Accounting, AttnResFlopsCountedByHand) {
   // 2 layers (4 branches), S = 2, d = 10: key norms 3·3d; branch 2 reads the embedding and its
   // partial (4d + 8d + d); branches 3, 4 read two sources (8d each) and branch 4 its partial

@@ -29,8 +29,17 @@ CostReport training_cost(const ModelConfig& model, const ResidualConfig& residua
   const double projections = 2 * d * H * hd + 2 * 2 * d * KV * hd + 2 * H * hd * d;  // Q; K, V; O
   const double attention = 2 * 2 * H * hd * (T + 1) / 2;                             // QKᵀ and A·V, causal
   const double ffn = 2 * 3 * d * double(model.d_ff);                                  // SwiGLU
+  double ffn_layers = double(model.n_layers) * ffn;
+  if (const MoeConfig& e = model.moe; e.enabled()) {
+    // An MoE layer per token: the router (d × E), the SwiGLUs of the k experts the token reaches
+    // and of the shared experts, and the gate-weighted sum of the k outputs.
+    const double moe_ffn = 2 * d * double(e.n_experts) +
+                           2 * 3 * d * double(e.top_k * e.expert_d_ff + e.n_shared_experts * e.resolved_shared_d_ff()) +
+                           2 * double(e.top_k) * d;
+    ffn_layers = double(e.leading_dense_layers) * ffn + double(model.n_layers - e.leading_dense_layers) * moe_ffn;
+  }
   const double head = 2 * d * double(model.vocab_size);
-  c.backbone_flops = 3 * (double(model.n_layers) * (projections + attention + ffn) + head);
+  c.backbone_flops = 3 * (double(model.n_layers) * (projections + attention) + ffn_layers + head);
   c.lm_head_flops = 3 * head;
 
   const double residual_adds = s.L * d;  // the standard residual's h + f(h)
