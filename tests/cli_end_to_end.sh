@@ -102,6 +102,29 @@ done
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar,msar --steps 2 --warmup 0 --json \
   | python3 -c "import json,sys; r=json.load(sys.stdin)['runs']; assert [x['kind'] for x in r]==['residual','dar','msar'] and r[0]['overhead']==0, r" \
   || fail "bench --kinds"
+# Variants of the MoE config interleaved: the grouped expert product, the per-expert loop, and the
+# dense model of the same active parameters less the router (d_ff 384 = top_k 2 · 128 + 1 shared · 128);
+# the dispatch's memory is measured for the MoE variants only. No timing is asserted.
+MOE_SETS=(--set model.vocab_size=512 --set model.seq_len=32 --set model.d_model=64 --set model.n_layers=2
+          --set train.micro_batch=2)
+"$DK" bench --config "$SRC/configs/tiny-moe.toml" "${MOE_SETS[@]}" --steps 1 --warmup 0 \
+  --variant grouped:moe.expert_impl=grouped --variant loop:moe.expert_impl=loop --variant dense:moe.n_experts=0 >variants.txt
+for v in grouped loop dense; do grep -q "^$v " variants.txt || fail "bench --variant: no row for $v: $(cat variants.txt)"; done
+grep -q "MoE dispatch memory per token" variants.txt || fail "bench --variant: no dispatch memory: $(cat variants.txt)"
+"$DK" bench --config "$SRC/configs/tiny-moe.toml" "${MOE_SETS[@]}" --steps 1 --warmup 0 --json \
+  --variant grouped:moe.expert_impl=grouped --variant loop:moe.expert_impl=loop --variant dense:moe.n_experts=0 \
+  | python3 -c "
+import json, sys
+r = {x['variant']: x for x in json.load(sys.stdin)['runs']}
+assert list(r) == ['grouped', 'loop', 'dense'] and r['grouped']['ratio'] == 1, r
+assert r['loop']['overrides'] == ['moe.expert_impl=loop'] and all(x['kind'] == 'residual' for x in r.values()), r
+assert r['grouped']['dispatch']['expert_impl'] == 'grouped' and r['loop']['dispatch']['expert_impl'] == 'loop', r
+assert r['dense']['dispatch'] is None and r['dense']['active_parameters'] == r['dense']['parameters'], r['dense']
+# one MoE layer (the first is dense): the MoE model's active parameters are the dense model's plus its router, 8 x 64
+assert r['grouped']['active_parameters'] == r['dense']['active_parameters'] + 8 * 64, r
+assert r['grouped']['dispatch']['sorted_copy_bytes_per_token'] == 2 * 64 * 4, r['grouped']['dispatch']
+assert r['grouped']['dispatch']['kept_bytes_per_token'] > r['grouped']['dispatch']['sorted_copy_bytes_per_token'], r
+" || fail "bench --variant"
 # The operator profile: DAR's step runs its fused read forward and backward, the residual's does not;
 # self times add up to no more than each operator's total.
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar --steps 1 --warmup 0 --profile 1 --json \

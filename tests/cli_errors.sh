@@ -35,6 +35,14 @@ expect_error "--steps"                 -- bench --config "$SRC/configs/tiny.toml
 expect_error "'residual.kind'"         -- bench --config "$SRC/configs/tiny.toml" --kinds residual,bogus
 expect_error "--kinds: empty kind"     -- bench --config "$SRC/configs/tiny.toml" --kinds residual,,dar
 expect_error "tiny, 0.1b or all"       -- bench --ops huge
+expect_error "'moe.expert_impl'"       -- bench --config "$SRC/configs/tiny-moe.toml" --set moe.expert_impl=fast
+expect_error "moe.expert_d_ff (6)"     -- bench --config "$SRC/configs/tiny-moe.toml" --set moe.expert_impl=grouped --set moe.expert_d_ff=6
+expect_error "--variant \"x:\": empty override" -- bench --config "$SRC/configs/tiny-moe.toml" --variant x:
+expect_error "NAME[:section.key=value" -- bench --config "$SRC/configs/tiny-moe.toml" --variant moe.expert_impl=loop
+expect_error "--kinds"                 -- bench --config "$SRC/configs/tiny-moe.toml" --variant a --kinds residual,dar
+expect_error "the name 'a' is given twice" -- bench --config "$SRC/configs/tiny-moe.toml" --variant a --variant a:moe.top_k=1
+expect_error "variant 'b': --set moe.bogus=1: unknown key 'moe.bogus'" -- bench --config "$SRC/configs/tiny-moe.toml" --variant a --variant b:moe.bogus=1
+expect_error "variant 'b': key 'moe.expert_impl'" -- bench --config "$SRC/configs/tiny-moe.toml" --variant a --variant b:moe.expert_impl=grouped,train.dtype=bfloat16,moe.expert_d_ff=4
 expect_error "--config is required"    -- bench --steps 2
 expect_error "/nonexistent/input"      -- data prepare --input /nonexistent/input --out prepared
 [ -e prepared ] && { echo "FAIL: data prepare left 'prepared' behind"; failures=$((failures + 1)); }

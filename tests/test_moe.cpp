@@ -24,6 +24,7 @@
 #include "depthkit/model/moe.h"
 #include "depthkit/model/parameters.h"
 #include "depthkit/model/transformer.h"
+#include "depthkit/train/bench.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/pathways/registry.h"
 #include "helpers.h"
@@ -333,6 +334,92 @@ TEST(Moe, ConfigKeysValidatedAndWritten) {
   EXPECT_TRUE(again.model.moe.renormalize);
   EXPECT_EQ(again.to_toml(), c.to_toml());
   EXPECT_NE(c.to_toml().find("[moe]"), std::string::npos);
+}
+
+TEST(Moe, ExpertImplKeyValidatedAndWired) {
+  auto base = std::string("[train]\nsteps = 1\n[model]\nd_model = 16\nn_heads = 4\n[moe]\nn_experts = 4\n");
+  EXPECT_EQ(Config::parse(base + "expert_d_ff = 8\n", "t").model.moe.expert_impl, "auto");
+  expect_error([&] { Config::parse(base + "expert_d_ff = 8\nexpert_impl = \"fast\"\n", "t"); },
+               {"'moe.expert_impl'", "\"auto\", \"grouped\", \"loop\"", "fast"});
+  expect_error([&] { Config::parse(base + "expert_d_ff = 8\n", "t", {"moe.expert_impl=grouped", "train.device=cuda"}); },
+               {"'moe.expert_impl'", "CPU only", "cuda"});
+  // Rows of a multiple of 16 bytes: 6 float32 are 24 bytes; 4 are 16 in float32 but 8 in bfloat16.
+  expect_error([&] { Config::parse(base + "expert_d_ff = 6\nexpert_impl = \"grouped\"\n", "t"); },
+               {"'moe.expert_impl'", "moe.expert_d_ff (6)", "multiples of 4"});
+  EXPECT_EQ(Config::parse(base + "expert_d_ff = 4\nexpert_impl = \"grouped\"\n", "t").model.moe.expert_impl, "grouped");
+  expect_error([&] { Config::parse(base + "expert_d_ff = 4\nexpert_impl = \"grouped\"\n", "t", {"train.dtype=bfloat16"}); },
+               {"'moe.expert_impl'", "multiples of 8 in bfloat16"});
+  // A dense model ignores the key; the loop and auto run anywhere.
+  EXPECT_EQ(Config::parse("[train]\nsteps = 1\n[moe]\nexpert_impl = \"grouped\"\n", "t", {"train.device=cuda"})
+                .model.moe.expert_impl, "grouped");
+  Config loop = Config::parse(base + "expert_d_ff = 6\nexpert_impl = \"loop\"\n", "t", {"train.device=cuda"});
+  EXPECT_NE(loop.to_toml().find("expert_impl"), std::string::npos) << loop.to_toml();
+  EXPECT_EQ(Config::parse(loop.to_toml(), "again").model.moe.expert_impl, "loop");
+
+  // The layer takes the key; "grouped" where the product cannot run is refused when the model is
+  // built (float64 here), and by the forward when forced on the layer, never a crash inside ATen.
+  ModelConfig c = moe_model(4, 2, 1);
+  c.moe.expert_impl = "loop";
+  ParameterStore params(at::kCPU, 3, at::kFloat);
+  MoeFeedForward moe(c, params, "moe");
+  EXPECT_EQ(moe.expert_impl, "loop");
+  auto h = at::randn({2, 5, c.d_model});
+  EXPECT_FALSE(moe.uses_grouped(h));
+  moe.expert_impl = "auto";
+  EXPECT_TRUE(moe.uses_grouped(h));
+  moe.expert_impl = "grouped";
+  expect_error([&] { moe.forward(h.to(at::kDouble)); }, {"'moe.expert_impl'", "float64"});
+  moe.expert_impl = "fast";
+  expect_error([&] { moe.forward(h); }, {"'moe.expert_impl'", "fast"});
+  c.moe.expert_impl = "grouped";
+  expect_error([&] { Transformer(c, ResidualConfig{}, at::kCPU, 1, at::kDouble); },
+               {"building the model", "'moe.expert_impl'", "float64"});
+  Transformer grouped(c, ResidualConfig{}, at::kCPU, 1, at::kFloat, at::kBFloat16);  // 16 · 2 bytes: aligned
+  c.moe.expert_d_ff = 4;
+  expect_error([&] { Transformer(c, ResidualConfig{}, at::kCPU, 1, at::kFloat, at::kBFloat16); },
+               {"'moe.expert_impl'", "bfloat16"});
+  // The meta device only counts: nothing runs there.
+  EXPECT_GT(Transformer(c, ResidualConfig{}, at::kMeta, 0, at::kDouble).count().total, 0);
+}
+
+TEST(Moe, BenchVariantsAndDispatchMemory) {
+  // An MoE model's expert products grouped and looped, and the dense model of the same active
+  // parameters less the router, timed in one round-robin (no time is asserted).
+  Config cfg = small_config("unused");
+  cfg.model.d_ff = 48;  // = top_k · expert_d_ff + shared
+  cfg.model.moe.n_experts = 4;
+  cfg.model.moe.expert_d_ff = 16;
+  cfg.model.moe.n_shared_experts = 1;
+  cfg.model.moe.leading_dense_layers = 1;
+  const std::vector<BenchResult> r = run_bench_variants(
+      cfg, {{"grouped", {"moe.expert_impl=grouped"}}, {"loop", {"moe.expert_impl=loop"}}, {"dense", {"moe.n_experts=0"}}},
+      2, 0);
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0].name, "grouped");
+  EXPECT_EQ(r[2].overrides, std::vector<std::string>{"moe.n_experts=0"});
+  for (const auto& x : r) {
+    EXPECT_EQ(x.step_s.size(), 2u) << x.name;
+    EXPECT_EQ(x.kind, "residual");
+    EXPECT_GT(x.peak_tensor_bytes, 0);
+  }
+  // One MoE layer (layer 1): its router is all the MoE model has beyond the dense model's active parameters.
+  EXPECT_EQ(r[0].active_parameters, r[2].active_parameters + 4 * cfg.model.d_model);
+  EXPECT_EQ(r[1].active_parameters, r[0].active_parameters);
+  EXPECT_EQ(r[2].active_parameters, r[2].parameters);
+  ASSERT_TRUE(r[0].has_dispatch && r[1].has_dispatch);
+  EXPECT_FALSE(r[2].has_dispatch);
+  EXPECT_EQ(r[0].dispatch.expert_impl, "grouped");
+  EXPECT_EQ(r[1].dispatch.expert_impl, "loop");
+  for (int i : {0, 1}) {
+    const DispatchMemory& m = r[i].dispatch;
+    EXPECT_EQ(m.tokens, cfg.train.micro_batch * cfg.model.seq_len);
+    EXPECT_EQ(m.sorted_copy_per_token, 2 * 32 * 4);  // top_k · d · float32
+    // The measured bytes per token are the counted ones, up to what the analytic sum leaves out.
+    EXPECT_NEAR(m.kept_per_token, double(m.analytic_kept_per_token), 0.1 * double(m.analytic_kept_per_token)) << i;
+    EXPECT_NEAR(m.peak_per_token, double(m.analytic_peak_per_token), 0.1 * double(m.analytic_peak_per_token)) << i;
+  }
+  // A bad override names its variant, before anything is built.
+  expect_error([&] { run_bench_variants(cfg, {{"a", {}}, {"b", {"moe.top_k=9"}}}, 1, 0); }, {"variant 'b'", "'moe.top_k'"});
 }
 
 TEST(Moe, ModelIsCausal) {

@@ -1,5 +1,8 @@
 // depthkit bench: median training-step time, tokens/s and peak memory, for one pathway kind or
-// several interleaved (--kinds); or the fused operators against their references (--ops).
+// several interleaved (--kinds), or variants of the config interleaved (--variant); or the fused
+// operators against their references (--ops).
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -24,6 +27,79 @@ std::vector<std::string> split_kinds(const std::string& list) {
   return kinds;
 }
 
+// --variant NAME[:section.key=value[,section.key=value…]]: the overrides split at the commas
+// outside brackets and quotes, so that an array value stays whole (residual.kernels=[4,8]).
+BenchVariant parse_variant(const std::string& spec) {
+  const std::string where = cat("--variant \"", printable(spec), "\"");
+  const size_t colon = spec.find(':');
+  BenchVariant v{spec.substr(0, colon), {}};
+  const bool name_ok = !v.name.empty() && std::all_of(v.name.begin(), v.name.end(), [](char ch) {
+    return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_' || ch == '-' || ch == '.' || ch == '+';
+  });
+  if (!name_ok)
+    fail(where, ": expected NAME[:section.key=value,...] with a NAME of letters, digits, '_', '-', '.' or '+'");
+  if (colon == std::string::npos) return v;
+  const std::string rest = spec.substr(colon + 1);
+  int depth = 0;
+  char quote = 0;
+  std::string cur;
+  for (size_t i = 0; i <= rest.size(); ++i) {
+    const char ch = i < rest.size() ? rest[i] : ',';
+    if (quote) {
+      if (ch == quote) quote = 0;
+    } else if (ch == '"' || ch == '\'') {
+      quote = ch;
+    } else if (ch == '[' || ch == '{') {
+      ++depth;
+    } else if ((ch == ']' || ch == '}') && depth > 0) {
+      --depth;
+    } else if (ch == ',' && depth == 0) {
+      if (cur.empty()) fail(where, ": empty override (NAME:section.key=value,...)");
+      v.overrides.push_back(cur);
+      cur.clear();
+      continue;
+    }
+    if (i < rest.size()) cur += ch;
+  }
+  return v;
+}
+
+nlohmann::json dispatch_json(const BenchResult& r) {
+  if (!r.has_dispatch) return nullptr;
+  const DispatchMemory& m = r.dispatch;
+  return {{"expert_impl", m.expert_impl},
+          {"peak_bytes_per_token", m.peak_per_token},
+          {"kept_bytes_per_token", m.kept_per_token},
+          {"fixed_bytes", m.fixed_bytes},
+          {"tokens", m.tokens},
+          {"sorted_copy_bytes_per_token", m.sorted_copy_per_token},
+          {"analytic_peak_bytes_per_token", m.analytic_peak_per_token},
+          {"analytic_kept_bytes_per_token", m.analytic_kept_per_token}};
+}
+
+// One MoE layer's dispatch memory per token, measured and counted (bench.h, DispatchMemory).
+void print_dispatch(const std::vector<BenchResult>& results) {
+  bool any = false;
+  for (const auto& r : results) any |= r.has_dispatch;
+  if (!any) return;
+  const BenchResult& first = *std::find_if(results.begin(), results.end(), [](const auto& r) { return r.has_dispatch; });
+  std::printf("\nMoE dispatch memory per token: one MoE layer's training forward, its routed part (sorted copies "
+              "to combined output),\nmeasured at %lld and %lld tokens (the difference / %lld); analytic from moe.cpp's "
+              "forward:\n",
+              (long long)first.dispatch.tokens, 2 * (long long)first.dispatch.tokens, (long long)first.dispatch.tokens);
+  std::printf("  %-14s %-8s %10s %10s %10s %10s %12s %10s\n", "variant", "experts", "peak B", "kept B", "analytic",
+              "analytic", "sorted copy", "fixed");
+  std::printf("  %-14s %-8s %10s %10s %10s %10s %12s %10s\n", "", "", "measured", "measured", "peak B", "kept B",
+              "B (k·d·b)", "KiB");
+  for (const auto& r : results) {
+    if (!r.has_dispatch) continue;
+    const DispatchMemory& m = r.dispatch;
+    std::printf("  %-14s %-8s %10.1f %10.1f %10lld %10lld %12lld %10.1f\n", r.name.c_str(), m.expert_impl.c_str(),
+                m.peak_per_token, m.kept_per_token, (long long)m.analytic_peak_per_token,
+                (long long)m.analytic_kept_per_token, (long long)m.sorted_copy_per_token, double(m.fixed_bytes) / 1024);
+  }
+}
+
 nlohmann::json profile_json(const BenchResult& r) {
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& row : r.profile)
@@ -39,7 +115,7 @@ void print_profile(const BenchResult& r, int64_t top) {
   double all = 0;
   for (const auto& row : r.profile) all += row.self_s;
   std::printf("\n%s: operators by self time, per step (%lld profiled steps, %.1f ms per step recorded)\n",
-              r.kind.c_str(), (long long)r.profile_steps, all * 1e3 / double(r.profile_steps));
+              r.name.c_str(), (long long)r.profile_steps, all * 1e3 / double(r.profile_steps));
   std::printf("  %10s %10s %8s  %s\n", "self ms", "total ms", "calls", "operator");
   for (size_t i = 0; i < r.profile.size() && int64_t(i) < top; ++i) {
     const auto& row = r.profile[i];
@@ -87,7 +163,7 @@ void add_bench(CLI::App& app, Action& action) {
                                           "operators (--ops)");
   struct Args {
     std::string config, kinds, ops;
-    std::vector<std::string> sets;
+    std::vector<std::string> sets, variants;
     int64_t steps = 20, warmup = 3, profile = 0, top = 25;
     bool json = false;
   };
@@ -97,6 +173,12 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_option("--kinds", a->kinds,
                   "comma-separated residual kinds to time interleaved, overheads against the first "
                   "(e.g. residual,attnres,dar,msar,mhc)");
+  auto* variant_option =
+      cmd->add_option("--variant", a->variants,
+                      "NAME[:section.key=value,...]: a variant of the config to time interleaved with the others "
+                      "(repeatable), ratios against the first")
+          ->expected(1)
+          ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--ops", a->ops, "time each fused operator against its reference: tiny, 0.1b or all");
   cmd->add_option("--steps", a->steps, "timed steps (repeats with --ops)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_option("--warmup", a->warmup, "untimed warm-up steps")->check(CLI::Range(int64_t(0), int64_t(1) << 20));
@@ -105,37 +187,53 @@ void add_bench(CLI::App& app, Action& action) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   cmd->add_option("--top", a->top, "operators to print per kind with --profile")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_flag("--json", a->json, "print JSON");
+  variant_option->excludes("--kinds");
   cmd->callback([&action, a] {
     action = [a] {
       if (!a->ops.empty()) return print_ops(a->ops, a->steps, a->json);
       if (a->config.empty()) fail("bench: --config is required (or --ops to time the operators)");
       Config cfg = Config::load(a->config, a->sets);
+      std::vector<BenchVariant> variants;
+      for (const auto& spec : a->variants) {
+        variants.push_back(parse_variant(spec));
+        for (size_t j = 0; j + 1 < variants.size(); ++j)
+          if (variants[j].name == variants.back().name) fail("--variant: the name '", variants.back().name, "' is given twice");
+      }
+      const bool several = !a->kinds.empty() || !variants.empty();
       std::vector<BenchResult> results =
-          a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup, a->profile)}
-                           : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup, a->profile);
+          !variants.empty()   ? run_bench_variants(cfg, variants, a->steps, a->warmup, a->profile)
+          : a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup, a->profile)}
+                             : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup, a->profile);
       const double base = results[0].median_step_s;
       if (a->json) {
         nlohmann::json runs = nlohmann::json::array();
         for (const auto& r : results)
           runs.push_back({{"kind", r.kind},
+                          {"variant", r.name},
+                          {"overrides", r.overrides},
                           {"median_step_s", r.median_step_s},
                           {"tokens_per_s", r.tokens_per_s},
                           {"tokens_per_step", r.tokens_per_step},
                           {"overhead", r.median_step_s / base - 1.0},
+                          {"ratio", r.median_step_s / base},
                           {"peak_rss_bytes", r.peak_rss_bytes},
                           {"peak_tensor_bytes", r.peak_tensor_bytes},
                           {"device", r.device},
                           // null: not counted (the CPU, whose tensors peak_tensor_bytes counts)
                           {"peak_device_bytes", r.peak_device_bytes >= 0 ? nlohmann::json(r.peak_device_bytes)
                                                                          : nlohmann::json(nullptr)},
+                          {"parameters", r.parameters},
+                          {"active_parameters", r.active_parameters},
+                          // null: a dense model (or a device whose memory is not counted)
+                          {"dispatch", dispatch_json(r)},
                           {"step_s", r.step_s}});
         if (a->profile > 0)
           for (size_t k = 0; k < results.size(); ++k) runs[k]["profile"] = profile_json(results[k]);
-        std::printf("%s\n", (a->kinds.empty() ? runs[0] : nlohmann::json{{"runs", runs}}).dump().c_str());
+        std::printf("%s\n", (several ? nlohmann::json{{"runs", runs}} : runs[0]).dump().c_str());
         return 0;
       }
       const bool device_memory = results[0].peak_device_bytes >= 0;
-      if (a->kinds.empty()) {
+      if (!several) {
         const BenchResult& r = results[0];
         const std::string device_peak =
             device_memory ? cat(", peak ", r.device, " memory ", double(r.peak_device_bytes) / (1 << 20), " MiB") : "";
@@ -144,7 +242,27 @@ void add_bench(CLI::App& app, Action& action) {
                     r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
                     device_peak.c_str(), double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps,
                     (long long)a->warmup, r.device.c_str());
+        print_dispatch(results);
         if (a->profile > 0) print_profile(r, a->top);
+        return 0;
+      }
+      if (!variants.empty()) {
+        std::printf("%-14s %10s %10s %9s %11s %12s   (interleaved, medians of %lld steps after %lld warm-up; on %s)\n",
+                    "variant", "step ms", "tokens/s", "vs first", device_memory ? "device MiB" : "tensor MiB",
+                    "active par.", (long long)a->steps, (long long)a->warmup, results[0].device.c_str());
+        for (const auto& r : results)
+          std::printf("%-14s %10.2f %10.0f %8.3fx %11.1f %12lld\n", r.name.c_str(), r.median_step_s * 1e3,
+                      r.tokens_per_s, r.median_step_s / base,
+                      double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20),
+                      (long long)r.active_parameters);
+        for (const auto& r : results) {
+          std::string sets;
+          for (const auto& o : r.overrides) sets += (sets.empty() ? "" : ", ") + o;
+          std::printf("  %s: %s\n", r.name.c_str(), sets.empty() ? "the config as it is" : sets.c_str());
+        }
+        print_dispatch(results);
+        if (a->profile > 0)
+          for (const auto& r : results) print_profile(r, a->top);
         return 0;
       }
       // On a GPU the memory that matters is the device's; the CPU's tensors are then only the batches.
@@ -157,6 +275,7 @@ void add_bench(CLI::App& app, Action& action) {
         std::printf("%-14s %12.2f %12.0f %9.1f%% %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
                     100.0 * (r.median_step_s / base - 1.0),
                     double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20));
+      print_dispatch(results);
       if (a->profile > 0)
         for (const auto& r : results) print_profile(r, a->top);
       return 0;

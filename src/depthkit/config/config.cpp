@@ -56,6 +56,7 @@ std::vector<Field> fields(Config& c) {
       {"moe", "renormalize", &m.moe.renormalize},
       {"moe", "aux_loss_coef", &m.moe.aux_loss_coef, 0, 1e6},
       {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
+      {"moe", "expert_impl", &m.moe.expert_impl, -kInf, kInf, {"auto", "grouped", "loop"}},
       {"residual", "kind", &r.kind, -kInf, kInf, pathway_kind_names()},
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "share_within_block", &r.share_within_block},
@@ -209,6 +210,10 @@ void validate(const Config& c, const std::string& where) {
     checked_mul(checked_mul(checked_mul(m.moe.n_experts, m.moe.expert_d_ff, where, "moe.n_experts x moe.expert_d_ff"),
                             m.d_model, where, "the experts' matrices (moe.n_experts x moe.expert_d_ff x model.d_model)"),
                 12, where, "the experts' bytes (3 x moe.n_experts x moe.expert_d_ff x model.d_model x 4)");
+    if (m.moe.expert_impl == "grouped") {
+      const std::string why = grouped_experts_unsupported(c.train.device, c.train.dtype, m.d_model, m.moe.expert_d_ff);
+      if (!why.empty()) fail(where, ": key 'moe.expert_impl' is \"grouped\", but ", why, "; use \"auto\" or \"loop\"");
+    }
     checked_mul(checked_mul(m.moe.n_shared_experts, m.moe.resolved_shared_d_ff(), where,
                             "moe.n_shared_experts x moe.shared_d_ff"),
                 checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
@@ -239,6 +244,17 @@ void validate(const Config& c, const std::string& where) {
 }
 
 }  // namespace
+
+std::string grouped_experts_unsupported(const std::string& device, const std::string& dtype, int64_t d_model,
+                                        int64_t expert_d_ff) {
+  if (device != "cpu") return cat("at::_grouped_mm runs the experts on the CPU only, and the device is ", device);
+  if (dtype != "float32" && dtype != "bfloat16") return cat("at::_grouped_mm takes float32 or bfloat16, not ", dtype);
+  const int64_t bytes = dtype == "float32" ? 4 : 2;
+  if ((d_model * bytes) % 16 != 0 || (expert_d_ff * bytes) % 16 != 0)
+    return cat("at::_grouped_mm needs rows of a multiple of 16 bytes: model.d_model (", d_model, ") and moe.expert_d_ff (",
+               expert_d_ff, ") multiples of ", 16 / bytes, " in ", dtype);
+  return "";
+}
 
 Config Config::parse(const std::string& text, const std::string& source,
                      const std::vector<std::string>& overrides) {

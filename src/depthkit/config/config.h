@@ -24,11 +24,22 @@ struct MoeConfig {
   bool renormalize = false;
   double aux_loss_coef = 0.01;  // Switch load balancing: n_experts · Σ_e f_e · P_e (DAR: 0.01)
   double z_loss_coef = 0.0;     // router z-loss (ST-MoE): mean over tokens of logsumexp(logits)²
+  // How the routed experts run over their contiguous slices of the sorted tokens: "grouped" (one
+  // at::_grouped_mm per projection), "loop" (one at::mm per expert and projection), or "auto":
+  // grouped where it can run (grouped_experts_unsupported), else the loop.
+  std::string expert_impl = "auto";
 
   bool enabled() const { return n_experts > 0; }
   int64_t resolved_shared_d_ff() const { return shared_d_ff > 0 ? shared_d_ff : expert_d_ff; }
   bool is_moe_layer(int64_t layer) const { return enabled() && layer >= leading_dense_layers; }
 };
+
+// Why at::_grouped_mm cannot run the routed experts on `device` ("cpu", "cuda", …) with
+// activations of `dtype` ("float32", "bfloat16", "float64", …) at these widths; "" when it can.
+// Its CPU kernel takes float32 and bfloat16 operands whose rows are a multiple of 16 bytes; other
+// devices take the loop here. One rule for the config's check, the model's and the forward's.
+std::string grouped_experts_unsupported(const std::string& device, const std::string& dtype, int64_t d_model,
+                                        int64_t expert_d_ff);
 
 struct ModelConfig {
   int64_t n_layers = 4;

@@ -28,7 +28,7 @@
 namespace depthkit {
 
 MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
-    : moe(c.moe), eps(c.norm_eps) {
+    : moe(c.moe), eps(c.norm_eps), expert_impl(c.moe.expert_impl) {
   const int64_t d = c.d_model, E = moe.n_experts, f = moe.expert_d_ff;
   const double out_std = c.init_std / std::sqrt(2.0 * double(c.n_layers));
   norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
@@ -61,13 +61,22 @@ Routing MoeFeedForward::route(const at::Tensor& x) const {
   return r;
 }
 
+std::string MoeFeedForward::grouped_unsupported(at::Device device, at::ScalarType t, int64_t d_model,
+                                                int64_t expert_d_ff) {
+  const std::string dtype = t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16"
+                          : t == at::kDouble ? "float64" : std::string(c10::toString(t));
+  return grouped_experts_unsupported(c10::DeviceTypeName(device.type(), /*lower_case=*/true), dtype, d_model,
+                                     expert_d_ff);
+}
+
 bool MoeFeedForward::uses_grouped(const at::Tensor& x) const {
-  if (expert_impl == "grouped") return true;
   if (expert_impl == "loop") return false;
-  const auto t = x.scalar_type();
-  if (!x.device().is_cpu() || (t != at::kFloat && t != at::kBFloat16)) return false;
-  const int64_t bytes = int64_t(c10::elementSize(t));
-  return (w_gate.size(2) * bytes) % 16 == 0 && (w_gate.size(1) * bytes) % 16 == 0;
+  if (expert_impl != "grouped" && expert_impl != "auto")
+    fail("key 'moe.expert_impl' must be one of \"auto\", \"grouped\", \"loop\", got \"", expert_impl, "\"");
+  const std::string why = grouped_unsupported(x.device(), x.scalar_type(), w_gate.size(2), w_gate.size(1));
+  if (expert_impl == "grouped" && !why.empty())
+    fail("key 'moe.expert_impl' is \"grouped\", but ", why, "; use \"auto\" or \"loop\"");
+  return why.empty();
 }
 
 namespace {

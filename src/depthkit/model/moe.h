@@ -39,11 +39,15 @@ struct MoeFeedForward {
   at::Tensor forward(const at::Tensor& h, MoeStats* stats = nullptr) const;
   // The router on normalised inputs x [N, d].
   Routing route(const at::Tensor& x) const;
-  // How the experts run: "grouped" (at::_grouped_mm) or "loop" (one at::mm per expert). The
-  // grouped product takes float32 and bfloat16 on the CPU, with rows a multiple of 16 bytes; float64
-  // and other devices take the loop. Settable for the tests and the benchmark ("auto": choose).
+  // How the experts run: "grouped" (at::_grouped_mm) or "loop" (one at::mm per expert); "auto"
+  // chooses grouped where it can run (grouped_experts_unsupported in config/config.h: float32 and
+  // bfloat16 on the CPU, rows a multiple of 16 bytes), else the loop. From moe.expert_impl;
+  // settable for the tests.
   std::string expert_impl = "auto";
+  // Whether the forward on x takes the grouped product; "grouped" where it cannot run: an Error.
   bool uses_grouped(const at::Tensor& x) const;
+  // Why the grouped product cannot run on activations of this device and dtype; "" when it can.
+  static std::string grouped_unsupported(at::Device device, at::ScalarType dtype, int64_t d_model, int64_t expert_d_ff);
   // Parameters per routed expert, and those one token uses (router, norm, top_k experts, shared).
   static int64_t expert_parameters(const ModelConfig& c) { return 3 * c.d_model * c.moe.expert_d_ff; }
 };

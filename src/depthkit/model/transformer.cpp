@@ -32,6 +32,11 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
   // The dtypes the fused operators' kernels take (ops/cpu/kernel_math.h).
   if (compute_ != at::kFloat && compute_ != at::kDouble && compute_ != at::kBFloat16)
     fail("the model computes in float32, float64 or bfloat16, not ", compute_);
+  // Experts forced onto the grouped product where it cannot run are refused before the first step.
+  if (cfg_.moe.enabled() && cfg_.moe.expert_impl == "grouped" && !device.is_meta())
+    if (const std::string why = MoeFeedForward::grouped_unsupported(device, compute_, cfg_.d_model, cfg_.moe.expert_d_ff);
+        !why.empty())
+      fail("building the model: key 'moe.expert_impl' is \"grouped\", but ", why, "; use \"auto\" or \"loop\"");
   // A model whose weights alone exceed the machine's memory is refused before anything is allocated.
   if (!device.is_meta()) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;

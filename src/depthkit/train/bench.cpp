@@ -4,16 +4,22 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
 
 #include "depthkit/dist/world.h"
+#include "depthkit/model/layers.h"
+#include "depthkit/model/moe.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/device.h"
+#include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 
 namespace depthkit {
@@ -90,10 +96,67 @@ void summarise(BenchResult& r, int64_t tokens_per_step) {
   r.peak_rss_bytes = peak_rss_bytes();
 }
 
+// The dispatch of one MoE layer with c's widths and expert_impl (DispatchMemory, bench.h).
+DispatchMemory measure_dispatch(const Config& c, at::Device device) {
+  const MemoryCounter mem{device};
+  const ModelConfig& m = c.model;
+  const at::ScalarType compute = compute_dtype_of(c.train);
+  ParameterStore params(device, uint64_t(c.train.seed), at::kFloat);
+  MoeFeedForward layer(m, params, "moe");
+  // The routed part alone: the shared experts run on every token beside the dispatch.
+  layer.shared_gate = layer.shared_up = layer.shared_down = at::Tensor();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t(c.train.seed));
+  DispatchMemory r;
+  // {peak, kept} of the dispatch over `batch` sequences: the forward's less what the norm and the
+  // router hold (measured the same way, alone) while the dispatch runs, and after the forward.
+  auto measure = [&](int64_t batch) {
+    // The input requires grad, as the pathway's read does in training: the forward saves for backward.
+    auto h = at::randn({batch, m.seq_len, m.d_model}, gen).to(device, compute).set_requires_grad(true);
+    int64_t router_during = 0, router_after = 0;
+    {
+      const int64_t start = mem.current();
+      auto x = rms_norm(h, layer.norm, layer.eps).reshape({-1, m.d_model});
+      Routing routing = layer.route(x);
+      router_during = mem.current() - start;
+      // After the forward, only what backward saved of these stays: the probabilities and the
+      // chosen experts, the normalised input where the router's product saved it (float32), the
+      // gathered probabilities where renormalising saved them. The rest is released.
+      routing.logits.reset();
+      routing.gates.reset();
+      x.reset();
+      router_after = mem.current() - start;
+    }
+    const int64_t start = mem.current();
+    mem.reset_peak();
+    auto y = layer.forward(h);
+    synchronize(device);
+    return std::pair<int64_t, int64_t>{mem.peak() - start - router_during, mem.current() - start - router_after};
+  };
+  r.expert_impl = layer.uses_grouped(at::empty({0, m.d_model}, at::TensorOptions(compute).device(device))) ? "grouped"
+                                                                                                           : "loop";
+  const int64_t B = c.train.micro_batch;
+  r.tokens = B * m.seq_len;
+  const auto [peak1, kept1] = measure(B);
+  const auto [peak2, kept2] = measure(2 * B);
+  r.peak_per_token = double(peak2 - peak1) / double(r.tokens);
+  r.kept_per_token = double(kept2 - kept1) / double(r.tokens);
+  r.fixed_bytes = peak1 - int64_t(std::llround(r.peak_per_token * double(r.tokens)));
+  const int64_t b = int64_t(c10::elementSize(compute)), k = m.moe.top_k, d = m.d_model, f = m.moe.expert_d_ff;
+  r.sorted_copy_per_token = k * d * b;
+  // Kept: the sorted copies; gate, up, silu(gate) and their product; the experts' outputs; the
+  // gate-weighted outputs (index_add's backward keeps its source, if only for its shape); the
+  // sorted gates; the int64 order and token indices; the combined output. Peak: + the zeros
+  // index_add adds into.
+  r.analytic_kept_per_token = k * d * b + 4 * k * f * b + k * d * b + k * d * b + k * b + 2 * k * 8 + d * b;
+  r.analytic_peak_per_token = r.analytic_kept_per_token + d * b;
+  return r;
+}
+
 }  // namespace
 
-std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
-                                         int64_t warmup, int64_t profile_steps) {
+std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector<BenchVariant>& variants,
+                                            int64_t steps, int64_t warmup, int64_t profile_steps) {
+  if (variants.empty()) fail("bench: no variant to time");
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
   // One process is one GPU: LOCAL_RANK picks it, as for training (and means nothing on the CPU).
   const at::Device device =
@@ -101,21 +164,31 @@ std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<st
   TensorMemory::install();
   const MemoryCounter cpu{at::kCPU}, dev{device};
   const bool on_device = !device.is_cpu() && dev.available();
+  // Every variant's configuration first: a bad override fails before any model is built.
+  std::vector<Config> configs;
+  for (const auto& v : variants) {
+    const std::string source = cat("variant '", v.name, "'");
+    try {
+      configs.push_back(Config::parse(cfg.to_toml(), source, v.overrides));
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      throw Error(what.rfind(source, 0) == 0 ? what : cat(source, ": ", what));
+    }
+  }
   std::vector<std::unique_ptr<Bench>> benches;
-  for (const auto& kind : kinds) {
+  for (const auto& c : configs) {
     const int64_t before = cpu.current(), device_before = on_device ? dev.current() : 0;
-    benches.push_back(
-        std::make_unique<Bench>(Config::parse(cfg.to_toml(), "bench", {"residual.kind=" + kind}), device));
+    benches.push_back(std::make_unique<Bench>(c, device));
     benches.back()->own_bytes = cpu.current() - before;
     if (on_device) benches.back()->own_device_bytes = dev.current() - device_before;
   }
-  std::vector<BenchResult> results(kinds.size());
+  std::vector<BenchResult> results(variants.size());
   for (int64_t i = 0; i < warmup + steps; ++i)
     for (size_t k = 0; k < benches.size(); ++k) {
       const double s = benches[k]->measured_step();
       if (i >= warmup) results[k].step_s.push_back(s);
     }
-  for (size_t k = 0; k < kinds.size() && profile_steps > 0; ++k) {
+  for (size_t k = 0; k < variants.size() && profile_steps > 0; ++k) {
     OpProfile profile;
     profile.start();
     for (int64_t i = 0; i < profile_steps; ++i) benches[k]->step();
@@ -123,14 +196,33 @@ std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<st
     results[k].profile_steps = profile_steps;
     results[k].profile = profile.rows();
   }
-  for (size_t k = 0; k < kinds.size(); ++k) {
-    results[k].kind = kinds[k];
-    results[k].peak_tensor_bytes = benches[k]->peak_bytes;
-    results[k].device = device.str();
-    results[k].peak_device_bytes = on_device ? benches[k]->peak_device_bytes : -1;
-    summarise(results[k], cfg.tokens_per_step());
+  for (size_t k = 0; k < variants.size(); ++k) {
+    BenchResult& r = results[k];
+    r.name = variants[k].name;
+    r.kind = configs[k].residual.kind;
+    r.overrides = variants[k].overrides;
+    r.peak_tensor_bytes = benches[k]->peak_bytes;
+    r.device = device.str();
+    r.peak_device_bytes = on_device ? benches[k]->peak_device_bytes : -1;
+    const ParameterCounts n = benches[k]->model.count();
+    r.parameters = n.total;
+    r.active_parameters = n.active;
+    summarise(r, configs[k].tokens_per_step());
   }
+  // After the timing, so that its allocations do not touch the steps.
+  for (size_t k = 0; k < variants.size(); ++k)
+    if (configs[k].model.moe.enabled() && (device.is_cpu() || on_device)) {
+      results[k].dispatch = measure_dispatch(configs[k], device);
+      results[k].has_dispatch = true;
+    }
   return results;
+}
+
+std::vector<BenchResult> run_bench_kinds(const Config& cfg, const std::vector<std::string>& kinds, int64_t steps,
+                                         int64_t warmup, int64_t profile_steps) {
+  std::vector<BenchVariant> variants;
+  for (const auto& kind : kinds) variants.push_back({kind, {"residual.kind=" + kind}});
+  return run_bench_variants(cfg, variants, steps, warmup, profile_steps);
 }
 
 BenchResult run_bench(const Config& cfg, int64_t steps, int64_t warmup, int64_t profile_steps) {
