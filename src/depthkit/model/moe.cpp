@@ -111,14 +111,17 @@ at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
     ys = contiguous_grad(at::_grouped_mm(a, wd.transpose(1, 2), offs));
   } else {
     auto c = counts.cpu();
+    // The expert matrices split once: indexing w[e] per expert would give each expert's backward
+    // a full-size [E, ...] zero gradient to sum; unbind's backward stacks them once.
+    const auto wgs = wg.unbind(0), wus = wu.unbind(0), wds = wd.unbind(0);
     std::vector<at::Tensor> parts;
     int64_t start = 0;
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = c.data_ptr<int64_t>()[e];
       if (n == 0) continue;
       auto xe = xs.narrow(0, start, n);
-      auto a = at::silu(at::mm(xe, wg[e].t())) * at::mm(xe, wu[e].t());
-      parts.push_back(at::mm(a, wd[e].t()));
+      auto a = at::silu(at::mm(xe, wgs[e].t())) * at::mm(xe, wus[e].t());
+      parts.push_back(at::mm(a, wds[e].t()));
       start += n;
     }
     ys = parts.empty() ? xs.narrow(0, 0, 0) : at::cat(parts, 0);
