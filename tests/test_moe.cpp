@@ -178,6 +178,42 @@ TEST(Moe, GroupedProductEqualsLoopAndNaiveFloat32) {
   EXPECT_EQ(params.get("moe.experts.w_gate").grad().scalar_type(), at::kFloat);
 }
 
+// Experts that receive no token, in the middle of the sorted order and at its end, on the grouped
+// product (empty groups), in both gate forms: outputs and gradients equal the definition's, and
+// an unused expert's matrices get a zero gradient.
+TEST(Moe, GroupedProductWithEmptyExpertsEqualsNaive) {
+  for (bool renormalize : {false, true}) {
+    SCOPED_TRACE(cat("renormalize ", renormalize));
+    ModelConfig c = moe_model(8, 3, 1);
+    c.moe.renormalize = renormalize;
+    ParameterStore params(at::kCPU, 3, at::kFloat);
+    MoeFeedForward moe(c, params, "moe");
+    randomize(params, 23);
+    {
+      // Experts 0-3 get logit 0: ties go to the lower index, so 0, 1, 2 fill what experts 4-7 leave
+      // and expert 3 is never chosen; neither are those of 4-7 that no token prefers.
+      at::NoGradGuard no_grad;
+      params.get("moe.router").narrow(0, 0, 4).zero_();
+    }
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+    auto h = at::randn({2, 9, c.d_model}, gen);
+    auto w = at::randn({2, 9, c.d_model}, gen);
+    ASSERT_TRUE(moe.uses_grouped(h));
+    MoeStats stats;
+    moe.forward(h, &stats);
+    EXPECT_EQ(stats.load[3].item<double>(), 0.0);
+    auto grouped = run_with_grads(params, h, w, [&](const at::Tensor& x) { return moe.forward(x); });
+    auto naive = run_with_grads(params, h, w, [&](const at::Tensor& x) { return naive_moe(moe, x); });
+    expect_same(grouped, naive, params, 1e-4, 1e-5);
+    for (const char* m : {"w_gate", "w_up", "w_down"}) {
+      at::Tensor g = params.get(cat("moe.experts.", m)).grad();
+      ASSERT_TRUE(g.defined()) << m;
+      EXPECT_EQ(g[3].abs().max().item<double>(), 0.0) << m;
+      EXPECT_GT(g[0].abs().max().item<double>(), 0.0) << m;
+    }
+  }
+}
+
 TEST(Moe, EveryTokenHasExactlyTopKDistinctExperts) {
   ModelConfig c = moe_model(7, 3, 0);
   ParameterStore params(at::kCPU, 3, at::kDouble);
@@ -467,8 +503,10 @@ TEST(Moe, TinyMoeModelLearnsWithEveryPathway) {
     }
     EXPECT_NEAR(first, std::log(double(c.model.vocab_size)), 0.3) << kind;
     EXPECT_LT(last, 0.3 * first) << kind;
-    // The router and every expert received gradient.
-    EXPECT_GT(m.parameters().get("layers.1.feed_forward.router").grad().abs().sum().item<double>(), 0) << kind;
+    // The router, the routed experts and the shared expert received gradient.
+    for (const char* p : {"router", "experts.w_gate", "experts.w_up", "experts.w_down", "shared.w_gate", "shared.w_up",
+                          "shared.w_down"})
+      EXPECT_GT(m.parameters().get(cat("layers.1.feed_forward.", p)).grad().abs().sum().item<double>(), 0) << kind << " " << p;
   }
 }
 

@@ -78,7 +78,7 @@ double sample_std(const std::vector<double>& v) {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 // Training losses by step from metrics.jsonl.
-// One metric of metrics.jsonl by step: "loss", or an MoE run's "balance".
+// One metric of metrics.jsonl by step: "loss", or an MoE run's "lm_loss" or "balance".
 std::map<int64_t, double> read_metric(const fs::path& metrics, const char* key) {
   std::map<int64_t, double> out;
   std::ifstream in(metrics);
@@ -281,7 +281,9 @@ nlohmann::json run_compare(const CompareOptions& opt) {
                        {"tokens_per_s", s.value("tokens_per_s", 0.0)},
                        {"peak_tensor_bytes", s.value("peak_tensor_bytes", 0)}, {"peak_rss_bytes", s.value("peak_rss_bytes", 0)},
                        {"train_seconds", s.value("train_seconds", 0.0)}});
-      for (auto [step, loss] : read_metric(dir / "metrics.jsonl", "loss")) curve[step].push_back(loss);
+      // The LM loss: an MoE run's "loss" also holds its auxiliary terms (docs/training.md).
+      auto lm = read_metric(dir / "metrics.jsonl", "lm_loss");
+      for (auto [step, loss] : lm.empty() ? read_metric(dir / "metrics.jsonl", "loss") : lm) curve[step].push_back(loss);
       const auto balance = read_metric(dir / "metrics.jsonl", "balance");
       for (auto [step, b] : balance) balance_curve[step].push_back(b);
       if (!balance.empty()) balances.push_back(tail_mean(balance));

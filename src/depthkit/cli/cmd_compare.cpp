@@ -32,8 +32,8 @@ void add_compare(CLI::App& app, Action& action) {
       opt.executable = fs::read_symlink("/proc/self/exe");
       const auto results = run_compare(opt);
       if (a->json) std::printf("%s\n", results.dump().c_str());
-      else std::printf("%s\nwritten: %s/{results.json,table.md,loss_curves.png}\n", compare_table(results).c_str(),
-                       opt.out.c_str());
+      else std::printf("%s\nwritten: %s/{results.json,table.md,loss_curves.png%s}\n", compare_table(results).c_str(),
+                       opt.out.c_str(), fs::exists(opt.out / "aux_curves.png") ? ",aux_curves.png" : "");
       return 0;
     };
   });

@@ -30,12 +30,12 @@ void add_params(CLI::App& app, Action& action) {
         for (auto& [name, n] : c.by_component) j["components"][name] = n;
         std::printf("%s\n", j.dump().c_str());
       } else {
-        std::printf("%-14s %16s\n", "component", "parameters");
-        for (auto& [name, n] : c.by_component) std::printf("%-14s %16lld\n", name.c_str(), (long long)n);
-        std::printf("%-14s %16lld\n%-14s %16lld\n", "non_vocab", (long long)c.non_vocab, "total",
+        std::printf("%-16s %16s\n", "component", "parameters");
+        for (auto& [name, n] : c.by_component) std::printf("%-16s %16lld\n", name.c_str(), (long long)n);
+        std::printf("%-16s %16lld\n%-16s %16lld\n", "non_vocab", (long long)c.non_vocab, "total",
                     (long long)c.total);
         if (cfg.model.moe.enabled())
-          std::printf("%-14s %16lld\n%-14s %16lld\n", "active_non_vocab", (long long)c.active_non_vocab, "active",
+          std::printf("%-16s %16lld\n%-16s %16lld\n", "active_non_vocab", (long long)c.active_non_vocab, "active",
                       (long long)c.active);
       }
       return 0;

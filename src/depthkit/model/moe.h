@@ -48,7 +48,7 @@ struct MoeFeedForward {
   bool uses_grouped(const at::Tensor& x) const;
   // Why the grouped product cannot run on activations of this device and dtype; "" when it can.
   static std::string grouped_unsupported(at::Device device, at::ScalarType dtype, int64_t d_model, int64_t expert_d_ff);
-  // Parameters per routed expert, and those one token uses (router, norm, top_k experts, shared).
+  // Parameters per routed expert (its three SwiGLU matrices).
   static int64_t expert_parameters(const ModelConfig& c) { return 3 * c.d_model * c.moe.expert_d_ff; }
 };
 

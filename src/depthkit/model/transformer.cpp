@@ -19,7 +19,8 @@ void Transformer::check_fits_in_memory(const ModelConfig& model, const ResidualC
   int64_t bytes = 0;
   if (__builtin_mul_overflow(n, bytes_per_parameter, &bytes) || bytes > physical_memory_bytes())
     fail(what, ": its ", n, " parameters need ", bytes, " bytes (", bytes_per_parameter, " per parameter), beyond this machine's ",
-         physical_memory_bytes(), " bytes of memory; reduce model.vocab_size, model.d_model, model.d_ff or model.n_layers");
+         physical_memory_bytes(), " bytes of memory; reduce model.vocab_size, model.d_model, model.d_ff or model.n_layers",
+         model.moe.enabled() ? " (or moe.n_experts, moe.expert_d_ff)" : "");
 }
 
 at::ScalarType compute_dtype_of(const TrainConfig& train) {
