@@ -104,8 +104,10 @@ TEST(Accounting, TrafficMatchesMsarTable6) {
   EXPECT_EQ(cost_of("dar", 64, 16, 4).streams, 2);
 }
 
-TEST(Accounting, BackboneFlopsAreSixTimesTheMatrixParametersPlusAttention) {
-  ModelConfig model;  // independent check: 2 FLOPs per parameter and token forward, 3× for training
+// A small backbone for the FLOP counts: 3 layers, d 48, 6/2 heads (head dim 8), d_ff 100,
+// vocabulary 300, 31 positions.
+ModelConfig accounting_backbone() {
+  ModelConfig model;
   model.n_layers = 3;
   model.d_model = 48;
   model.n_heads = 6;
@@ -113,6 +115,12 @@ TEST(Accounting, BackboneFlopsAreSixTimesTheMatrixParametersPlusAttention) {
   model.d_ff = 100;
   model.vocab_size = 300;
   model.seq_len = 31;
+  return model;
+}
+
+TEST(Accounting, BackboneFlopsAreSixTimesTheMatrixParametersPlusAttention) {
+  // Independent check: 2 FLOPs per parameter and token forward, 3× for training.
+  ModelConfig model = accounting_backbone();
   ResidualConfig r;
   Transformer meta(model, r, at::kMeta, 0);
   int64_t matrices = 0;
@@ -130,14 +138,7 @@ TEST(Accounting, BackboneFlopsAreSixTimesTheMatrixParametersPlusAttention) {
 // An MoE backbone: 6 × the matrix parameters a token uses (the k routed experts of E it reaches,
 // the shared experts, the router, the leading dense layer) + attention + the gate-weighted sums.
 TEST(Accounting, MoeBackboneCountsTheActiveExperts) {
-  ModelConfig model;
-  model.n_layers = 3;
-  model.d_model = 48;
-  model.n_heads = 6;
-  model.n_kv_heads = 2;
-  model.d_ff = 100;
-  model.vocab_size = 300;
-  model.seq_len = 31;
+  ModelConfig model = accounting_backbone();
   model.moe.n_experts = 8;
   model.moe.top_k = 3;
   model.moe.expert_d_ff = 20;

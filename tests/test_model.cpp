@@ -9,6 +9,7 @@
 
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/optimizer.h"
+#include "fit.h"
 #include "helpers.h"
 
 namespace depthkit::test {
@@ -121,18 +122,8 @@ TEST(Model, OverfitsOneBatch) {
   Config c = tiny_model();
   c.optim.weight_decay = 0;
   Transformer m(c.model, c.residual, at::kCPU, 4);
-  AdamW opt(m.parameters(), c.optim);
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
-  at::Tensor batch = at::randint(c.model.vocab_size, {4, c.model.seq_len + 1}, gen);
   double first = 0, last = 0;
-  for (int step = 0; step < 60; ++step) {
-    m.parameters().zero_grad();
-    at::Tensor loss = m.loss(batch);
-    loss.backward();
-    clip_grad_norm(m.parameters(), 1.0);
-    opt.step(1e-2);
-    (step == 0 ? first : last) = loss.item<double>();
-  }
+  fit_one_batch(m, c, 60, [&](int step, double loss) { (step == 0 ? first : last) = loss; });
   EXPECT_NEAR(first, std::log(double(c.model.vocab_size)), 0.3);  // uniform at initialisation
   EXPECT_LT(last, 0.25 * first);
 }

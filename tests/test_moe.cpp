@@ -27,6 +27,7 @@
 #include "depthkit/train/bench.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/pathways/registry.h"
+#include "fit.h"
 #include "helpers.h"
 
 namespace depthkit::test {
@@ -488,19 +489,11 @@ TEST(Moe, TinyMoeModelLearnsWithEveryPathway) {
     c.residual.kind = kind;
     c.optim.weight_decay = 0;
     Transformer m(c.model, c.residual, at::kCPU, 4);
-    AdamW opt(m.parameters(), c.optim);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
-    at::Tensor batch = at::randint(c.model.vocab_size, {4, c.model.seq_len + 1}, gen);
     double first = 0, last = 0;
-    for (int step = 0; step < 60; ++step) {
-      m.parameters().zero_grad();
-      at::Tensor loss = m.loss(batch);
-      loss.backward();
-      clip_grad_norm(m.parameters(), 1.0);
-      opt.step(1e-2);
+    fit_one_batch(m, c, 60, [&](int step, double) {
       (step == 0 ? first : last) = m.moe_terms().lm_loss.item<double>();
       EXPECT_EQ(m.moe_terms().load.size(), 2u);  // layers 1 and 2
-    }
+    });
     EXPECT_NEAR(first, std::log(double(c.model.vocab_size)), 0.3) << kind;
     EXPECT_LT(last, 0.3 * first) << kind;
     // The router, the routed experts and the shared expert received gradient.
