@@ -5,9 +5,9 @@
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/linear.h>
 
-#include "depthkit/model/precision.h"
-
 #include <utility>
+
+#include "depthkit/model/precision.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 

@@ -320,9 +320,11 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       const double lr = learning_rate(cfg.optim, st.step, total);
       model.parameters().zero_grad();
       double loss_sum = 0;
+      const bool log_step = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == total;
       // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
-      // balance term and per-layer expert load (max over mean share), averaged for the log.
-      const bool moe = cfg.model.moe.enabled();
+      // balance term and per-layer expert load (max over mean share), averaged for the log; read
+      // (a device sync each) on the steps that are logged only.
+      const bool moe = cfg.model.moe.enabled() && log_step;
       std::vector<double> moe_sum;
       for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
         // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
@@ -375,7 +377,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       result.last_loss = loss_sum;
 
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (st.step % cfg.train.log_every == 0 || st.step == total) {
+      if (log_step) {
         nlohmann::json j = {{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
                             {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}};
         if (moe) {  // "loss" is the optimised total: lm_loss + aux_loss
