@@ -46,6 +46,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
       {"model", "init_std", &m.init_std, 0, 10},
+      {"model", "impl", &m.impl, -kInf, kInf, {"reference", "fused"}},
       {"moe", "n_experts", &m.moe.n_experts, 0, 4096},
       {"moe", "top_k", &m.moe.top_k, 1, 4096},
       {"moe", "expert_d_ff", &m.moe.expert_d_ff, 0, 1 << 22},

@@ -54,6 +54,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;
+  // The backbone's RMSNorm, RoPE, SwiGLU activation and LM-head cross-entropy: "fused" (depthkit
+  // torch operators, ops/backbone_ops.h) | "reference" (their ATen compositions).
+  std::string impl = "fused";
   MoeConfig moe;  // the [moe] section
 
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : d_model / n_heads; }

@@ -7,20 +7,44 @@
 #include <ATen/ops/exp.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/outer.h>
-#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/silu.h>
 
 #include <cmath>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/model/precision.h"
+#include "depthkit/ops/backbone_ops.h"
+#include "depthkit/ops/kernel_choice.h"
+#include "depthkit/ops/reference/reference.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return at::rms_norm(x, {x.size(-1)}, cast_like(weight, x), eps);
+BackboneOps::BackboneOps(const std::string& impl, c10::DeviceType device) {
+  const OperatorChoice choice(impl, device, {"rms_norm", "rope_qkv", "swiglu", "linear_cross_entropy"});
+  rms_norm_ = choice.fused("rms_norm");
+  rope_qkv_ = choice.fused("rope_qkv");
+  swiglu_ = choice.fused("swiglu");
+  cross_entropy_ = choice.fused("linear_cross_entropy");
+}
+
+at::Tensor BackboneOps::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const {
+  return (rms_norm_ ? fused::rms_norm : reference::rms_norm)(x, cast_like(weight, x), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> BackboneOps::rope_qkv(const at::Tensor& qkv, const Rope& rope,
+                                                                     int64_t n_heads, int64_t n_kv_heads,
+                                                                     int64_t offset) const {
+  return (rope_qkv_ ? fused::rope_qkv : reference::rope_qkv)(qkv, rope.cos, rope.sin, n_heads, n_kv_heads, offset);
+}
+
+at::Tensor BackboneOps::swiglu(const at::Tensor& gate_up) const {
+  return (swiglu_ ? fused::swiglu : reference::swiglu)(gate_up);
+}
+
+at::Tensor BackboneOps::cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                      const at::Tensor& targets) const {
+  return (cross_entropy_ ? fused::linear_cross_entropy : reference::linear_cross_entropy)(hidden, weight, targets);
 }
 
 Rope::Rope(int64_t head_dim, int64_t max_len, double theta, at::Device device) {
@@ -33,16 +57,12 @@ Rope::Rope(int64_t head_dim, int64_t max_len, double theta, at::Device device) {
   sin = angles.sin().to(at::kFloat).to(device);
 }
 
-at::Tensor Rope::apply(const at::Tensor& x, int64_t offset) const {
-  const int64_t T = x.size(2), half = x.size(3) / 2;
-  auto c = cos.narrow(0, offset, T).to(x.scalar_type());
-  auto s = sin.narrow(0, offset, T).to(x.scalar_type());
-  auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
-}
-
 Attention::Attention(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
-    : n_heads(c.n_heads), n_kv_heads(c.n_kv_heads), head_dim(c.resolved_head_dim()), eps(c.norm_eps) {
+    : n_heads(c.n_heads),
+      n_kv_heads(c.n_kv_heads),
+      head_dim(c.resolved_head_dim()),
+      eps(c.norm_eps),
+      ops(c.impl, p.device().type()) {
   const int64_t d = c.d_model, q = n_heads * head_dim, kv = n_kv_heads * head_dim;
   // Output projections start smaller by 1/sqrt(2·n_layers) so the residual sum's variance
   // does not grow with depth (GPT-2 / Megatron convention).
@@ -56,19 +76,17 @@ Attention::Attention(const ModelConfig& c, ParameterStore& p, const std::string&
 
 at::Tensor Attention::forward(const at::Tensor& h, const Rope& rope) const {
   const int64_t B = h.size(0), T = h.size(1);
-  auto x = rms_norm(h, norm, eps);
-  auto q = at::linear(x, cast_like(wq, x)).view({B, T, n_heads, head_dim}).transpose(1, 2);
-  auto k = at::linear(x, cast_like(wk, x)).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
-  auto v = at::linear(x, cast_like(wv, x)).view({B, T, n_kv_heads, head_dim}).transpose(1, 2);
-  q = rope.apply(q);
-  k = rope.apply(k);
-  auto o = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
-                                            /*enable_gqa=*/n_kv_heads != n_heads);
+  auto x = ops.rms_norm(h, norm, eps);
+  // One product for q, k and v: x is read once, and the backward's ∂x is one product too.
+  auto qkv = at::linear(x, cast_like(at::cat({wq, wk, wv}), x));
+  auto [q, k, v] = ops.rope_qkv(qkv, rope, n_heads, n_kv_heads, 0);  // [B, T, heads, hd]
+  auto o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {}, 0.0,
+                                            /*is_causal=*/true, std::nullopt, /*enable_gqa=*/n_kv_heads != n_heads);
   return at::linear(o.transpose(1, 2).reshape({B, T, n_heads * head_dim}), cast_like(wo, o));
 }
 
 FeedForward::FeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
-    : eps(c.norm_eps) {
+    : eps(c.norm_eps), ops(c.impl, p.device().type()) {
   const int64_t d = c.d_model, f = c.d_ff;
   norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
   w_gate = p.add(prefix + ".w_gate", "feed_forward", {f, d}, Init::Normal, c.init_std);
@@ -78,8 +96,8 @@ FeedForward::FeedForward(const ModelConfig& c, ParameterStore& p, const std::str
 }
 
 at::Tensor FeedForward::forward(const at::Tensor& h) const {
-  auto x = rms_norm(h, norm, eps);
-  auto gated = at::silu(at::linear(x, cast_like(w_gate, x))) * at::linear(x, cast_like(w_up, x));
+  auto x = ops.rms_norm(h, norm, eps);
+  auto gated = ops.swiglu(at::linear(x, cast_like(at::cat({w_gate, w_up}), x)));
   return at::linear(gated, cast_like(w_down, gated));
 }
 

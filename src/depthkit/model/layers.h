@@ -3,7 +3,10 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <c10/core/DeviceType.h>
+
 #include <string>
+#include <tuple>
 
 #include "depthkit/config/config.h"
 
@@ -15,27 +18,47 @@ class ParameterStore;
 struct Rope {
   at::Tensor cos, sin;  // [max_len, head_dim/2], float32
   Rope(int64_t head_dim, int64_t max_len, double theta, at::Device device);
-  // x: [B, H, T, head_dim]; positions offset … offset+T-1.
-  at::Tensor apply(const at::Tensor& x, int64_t offset = 0) const;
 };
 
-// RMSNorm → grouped-query causal attention with RoPE → output projection. No biases.
+// The backbone's memory-bound steps, each run by its fused operator (ops/backbone_ops.h) or its
+// ATen composition (ops/reference/reference.h), chosen once from model.impl and the device (an
+// operator without a kernel there runs its composition, ops/kernel_choice.h).
+class BackboneOps {
+ public:
+  BackboneOps(const std::string& impl, c10::DeviceType device);
+  // RMSNorm with weight (cast to x's dtype) over the last dimension.
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) const;
+  // qkv [B, T, (H + 2 KV) · hd] → q [B, T, H, hd], k, v [B, T, KV, hd]; q, k rotated from position offset.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const Rope& rope,
+                                                          int64_t n_heads, int64_t n_kv_heads, int64_t offset) const;
+  // gate_up [..., 2F] → silu(gate) ⊙ up.
+  at::Tensor swiglu(const at::Tensor& gate_up) const;
+  // Mean cross-entropy of hidden · weightᵀ against targets, in the accumulation dtype.
+  at::Tensor cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets) const;
+
+ private:
+  bool rms_norm_, rope_qkv_, swiglu_, cross_entropy_;
+};
+
+// RMSNorm → grouped-query causal attention with RoPE → output projection. No biases. q, k and v
+// are one product with the three matrices stacked (they stay three parameters).
 struct Attention {
   at::Tensor norm, wq, wk, wv, wo;  // [d], [H·hd, d], [KV·hd, d], [KV·hd, d], [d, H·hd]
   int64_t n_heads, n_kv_heads, head_dim;
   double eps;
+  BackboneOps ops;
   Attention(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
   at::Tensor forward(const at::Tensor& h, const Rope& rope) const;  // [B, T, d] → [B, T, d]
 };
 
-// RMSNorm → SwiGLU: W_down (silu(W_gate x) ⊙ W_up x). No biases.
+// RMSNorm → SwiGLU: W_down (silu(W_gate x) ⊙ W_up x). No biases. Gate and up are one product with
+// the two matrices stacked.
 struct FeedForward {
   at::Tensor norm, w_gate, w_up, w_down;  // [d], [d_ff, d], [d_ff, d], [d, d_ff]
   double eps;
+  BackboneOps ops;
   FeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
   at::Tensor forward(const at::Tensor& h) const;
 };
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 }  // namespace depthkit

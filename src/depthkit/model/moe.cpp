@@ -28,7 +28,7 @@
 namespace depthkit {
 
 MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
-    : moe(c.moe), eps(c.norm_eps), expert_impl(c.moe.expert_impl) {
+    : moe(c.moe), eps(c.norm_eps), ops(c.impl, p.device().type()), expert_impl(c.moe.expert_impl) {
   const int64_t d = c.d_model, E = moe.n_experts, f = moe.expert_d_ff;
   const double out_std = c.init_std / std::sqrt(2.0 * double(c.n_layers));
   norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
@@ -91,7 +91,7 @@ at::Tensor contiguous_grad(at::Tensor t) {
 
 at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
   const int64_t d = h.size(-1), E = moe.n_experts, k = moe.top_k;
-  auto x = rms_norm(h, norm, eps).reshape({-1, d});
+  auto x = ops.rms_norm(h, norm, eps).reshape({-1, d});
   const int64_t N = x.size(0);
   Routing r = route(x);
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "depthkit/config/config.h"
+#include "depthkit/model/layers.h"
 
 namespace depthkit {
 
@@ -34,6 +35,7 @@ struct MoeFeedForward {
   at::Tensor norm, router, w_gate, w_up, w_down, shared_gate, shared_up, shared_down;
   MoeConfig moe;
   double eps;
+  BackboneOps ops;  // the input norm's
   MoeFeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
   // [B, T, d] → [B, T, d]; `stats`, when given, receives the auxiliary terms of this call.
   at::Tensor forward(const at::Tensor& h, MoeStats* stats = nullptr) const;

@@ -1,7 +1,6 @@
 #include "depthkit/model/transformer.h"
 
 #include <ATen/TensorOperators.h>
-#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/linear.h>
 
@@ -29,7 +28,7 @@ at::ScalarType compute_dtype_of(const TrainConfig& train) {
 
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
                          uint64_t seed, at::ScalarType dtype, std::optional<at::ScalarType> compute_dtype)
-    : cfg_(model), compute_(compute_dtype.value_or(dtype)), params_(device, seed, dtype) {
+    : cfg_(model), compute_(compute_dtype.value_or(dtype)), params_(device, seed, dtype), ops_(model.impl, device.type()) {
   // The dtypes the fused operators' kernels take (ops/cpu/kernel_math.h).
   if (compute_ != at::kFloat && compute_ != at::kDouble && compute_ != at::kBFloat16)
     fail("the model computes in float32, float64 or bfloat16, not ", compute_);
@@ -98,7 +97,7 @@ at::Tensor Transformer::embed(const at::Tensor& tokens) const {
   return at::embedding(embedding_, tokens).to(compute_);
 }
 
-at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
+at::Tensor Transformer::hidden(const at::Tensor& tokens, const AfterBranch& after_branch) {
   if (!rope_) fail("model built on the meta device cannot run");
   if (tokens.size(1) > cfg_.seq_len)
     fail("sequence of ", tokens.size(1), " tokens exceeds model.seq_len ", cfg_.seq_len);
@@ -109,16 +108,22 @@ at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& afte
     if (after_branch) after_branch(l, *state);
   }
   collect_terms();
-  auto hidden = rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
+  return ops_.rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
+}
+
+at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
+  auto h = hidden(tokens, after_branch);
   // The head's product runs in the compute dtype; the logits, and so the cross-entropy and its
   // log-softmax, are taken in the parameters' dtype (float32 under bfloat16 compute).
-  return at::linear(hidden, cast_like(lm_head_, hidden)).to(params_.dtype());
+  return at::linear(h, cast_like(lm_head_, h)).to(params_.dtype());
 }
 
 at::Tensor Transformer::lm_loss(const at::Tensor& batch) {
   const int64_t T = batch.size(1) - 1;
-  auto logits_ = logits(batch.narrow(1, 0, T));
-  return at::cross_entropy_loss(logits_.reshape({-1, cfg_.vocab_size}), batch.narrow(1, 1, T).reshape({-1}));
+  auto h = hidden(batch.narrow(1, 0, T)).reshape({-1, cfg_.d_model});
+  // The head and the cross-entropy as one operator (the fused one never holds the [tokens,
+  // vocabulary] logits), the loss in the accumulation dtype, returned in the parameters'.
+  return ops_.cross_entropy(h, cast_like(lm_head_, h), batch.narrow(1, 1, T).reshape({-1})).to(params_.dtype());
 }
 
 at::Tensor Transformer::loss(const at::Tensor& batch) {

@@ -55,6 +55,8 @@ class Transformer {
 
   // int64 [B, T] → [B, T, V] in the parameters' dtype (float32 also when computing in bfloat16)
   at::Tensor logits(const at::Tensor& tokens, const AfterBranch& after_branch = {});
+  // int64 [B, T] → the final-normalised hidden states [B, T, d] the LM head takes (compute dtype).
+  at::Tensor hidden(const at::Tensor& tokens, const AfterBranch& after_branch = {});
   // int64 [B, T+1] → the loss training optimises, in the parameters' dtype: the mean next-token
   // cross-entropy, plus for an MoE backbone its auxiliary losses (moe_terms() has the parts).
   at::Tensor loss(const at::Tensor& batch);
@@ -82,6 +84,7 @@ class Transformer {
   at::ScalarType compute_;  // the activations' dtype
   ParameterStore params_;
   at::Tensor embedding_, final_norm_, lm_head_;
+  BackboneOps ops_;  // the final norm's and the loss's
   std::vector<Attention> attention_;
   std::vector<std::optional<FeedForward>> feed_forward_;  // per layer: dense (absent in MoE layers)
   std::vector<std::optional<MoeFeedForward>> moe_;       // per layer: MoE (absent in dense layers)

@@ -115,7 +115,7 @@ DispatchMemory measure_dispatch(const Config& c, at::Device device) {
     int64_t router_during = 0, router_after = 0;
     {
       const int64_t start = mem.current();
-      auto x = rms_norm(h, layer.norm, layer.eps).reshape({-1, m.d_model});
+      auto x = layer.ops.rms_norm(h, layer.norm, layer.eps).reshape({-1, m.d_model});
       Routing routing = layer.route(x);
       router_during = mem.current() - start;
       // After the forward, only what backward saved of these stays: the probabilities and the

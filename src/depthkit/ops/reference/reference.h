@@ -1,5 +1,6 @@
 // The reference compositions of the fused operators, one per operator, each with exactly the
-// signature of its fused:: twin (ops/fused.h, ops/dar_ops.h, ops/msar_ops.h, ops/mhc_ops.h), so
+// signature of its fused:: twin (ops/fused.h, ops/dar_ops.h, ops/msar_ops.h, ops/mhc_ops.h,
+// ops/backbone_ops.h), so
 // that a pathway switches with `fused ? fused::op : reference::op`. They are ATen compositions
 // (autograd gives their backward) of the depth-attention primitive (depth_attention.h) and the
 // papers' equations: what `residual.impl = "reference"` runs and what the tests hold the fused
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "depthkit/ops/backbone_ops.h"
 #include "depthkit/ops/dar_ops.h"
 
 namespace depthkit::reference {
@@ -65,5 +67,19 @@ at::Tensor mhc_sinkhorn(const at::Tensor& logits, int64_t iters);
 at::Tensor mhc_merge(const at::Tensor& x, const at::Tensor& f, const at::Tensor& h_post, const at::Tensor& h_res);
 // Sinkhorn–Knopp on a positive matrix [..., m, m]: `iters` rounds of row then column normalisation.
 at::Tensor sinkhorn(const at::Tensor& positive, int64_t iters);
+
+// ---- rms_norm, rope_qkv, swiglu, linear_cross_entropy (ops/backbone_ops.h) ----------------------
+
+// at::rms_norm over the last dimension.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// q, k, v views of qkv, q and k rotated by the cat of the two rotated halves.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t n_heads, int64_t n_kv_heads,
+                                                        int64_t offset);
+// at::silu(gate) * up.
+at::Tensor swiglu(const at::Tensor& gate_up);
+// at::cross_entropy_loss of the whole [N, V] logits (at::linear in the inputs' dtype, the loss in
+// the accumulation dtype).
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets);
 
 }  // namespace depthkit::reference
