@@ -98,10 +98,32 @@ PY
 done
 
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --steps 3 --warmup 1 --json | json '["tokens_per_s"]' >/dev/null
-# Interleaved kinds: one result per kind, overheads against the first.
+# Interleaved kinds: one result per kind, overheads against the first; each kind's pathway traffic
+# per step is `depthkit cost`'s (per token per branch, forward) × 2 (backward) × branches (2
+# layers: 4) × tokens (4 × 64), and its bound in ms is that beyond the first kind's at the copy
+# bandwidth measured in the run (0 for the first).
+"$DK" cost --config "$SRC/configs/tiny.toml" "${SETS[@]}" --set residual.kind=dar --json >cost_dar.json
 "$DK" bench --config "$SRC/configs/tiny.toml" "${SETS[@]}" --kinds residual,dar,msar --steps 2 --warmup 0 --json \
-  | python3 -c "import json,sys; r=json.load(sys.stdin)['runs']; assert [x['kind'] for x in r]==['residual','dar','msar'] and r[0]['overhead']==0, r" \
-  || fail "bench --kinds"
+  | python3 -c "
+import json, sys
+r = json.load(sys.stdin)['runs']
+assert [x['kind'] for x in r] == ['residual', 'dar', 'msar'] and r[0]['overhead'] == 0 and r[0]['overhead_ms'] == 0, r
+assert all(x['copy_gbs'] > 0 and x['copy_gbs'] == r[0]['copy_gbs'] for x in r), r
+assert r[0]['traffic_bytes_per_step'] == 2 * 3 * 64 * 4 * 4 * 256, r[0]  # residual: 3d a branch
+dar = json.load(open('cost_dar.json'))['traffic_per_token_per_branch']['total_bytes_fp32']
+assert abs(r[1]['traffic_bytes_per_step'] - 2 * dar * 4 * 256) < 1e-6 * r[1]['traffic_bytes_per_step'], (r[1], dar)
+assert r[0]['traffic_bound_ms'] == 0 and 0 < r[1]['traffic_bound_ms'] < r[2]['traffic_bound_ms'], r
+for x in r:
+  assert abs(x['traffic_ms'] - x['traffic_bytes_per_step'] / x['copy_gbs'] / 1e6) < 1e-9 * x['traffic_ms'], x
+  assert abs(x['traffic_bound_ms'] - (x['traffic_ms'] - r[0]['traffic_ms'])) < 1e-12 + 1e-9 * x['traffic_ms'], x
+" || fail "bench --kinds"
+# The table prints the same columns; the 0.1B-width preset (configs/bench/wide.toml), made small
+# in depth and tokens here, runs through it.
+"$DK" bench --config "$SRC/configs/bench/wide.toml" --set model.n_layers=1 --set model.seq_len=16 \
+  --set train.micro_batch=1 --kinds residual,attnres --steps 1 --warmup 0 >kinds.txt
+grep -q "overhead ms.*traffic bound ms" kinds.txt || fail "bench --kinds: no traffic bound column: $(cat kinds.txt)"
+grep -q "^attnres " kinds.txt && grep -q "GB/s, timed among the steps" kinds.txt \
+  || fail "bench --kinds: $(cat kinds.txt)"
 # Variants of the MoE config interleaved: the grouped expert product, the per-expert loop, and the
 # dense model of the same active parameters less the router (d_ff 384 = top_k 2 · 128 + 1 shared · 128);
 # the dispatch's memory is measured for the MoE variants only. No timing is asserted.
@@ -151,6 +173,9 @@ assert ops['mhc_pre']['irreducible_ms'] > 0 and all(o['irreducible_ms'] == 0 for
 assert r['bandwidth'][0]['copy_gbs'] > 0, r
 nine = {'depth_read', 'depth_merge', 'dar_read', 'dar_write', 'msar_read', 'msar_fuse', 'mhc_pre', 'mhc_sinkhorn', 'mhc_merge'}
 assert set(ops) == nine, sorted(ops)
+# MSAR's (m = 4): the read's (3N + 2m)·P·d floats, the fuse's (3m + 5)·P·d
+assert ops['msar_read']['bytes'] == 4 * (3 * 5 + 2 * 4) * 4096 * 128, ops['msar_read']
+assert ops['msar_fuse']['bytes'] == 4 * (3 * 4 + 5) * 4096 * 128, ops['msar_fuse']
 " || fail "bench --ops"
 
 # The fused operators follow the reference compositions through training, for every kind

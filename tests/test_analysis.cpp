@@ -104,6 +104,16 @@ TEST(Accounting, TrafficMatchesMsarTable6) {
   EXPECT_EQ(cost_of("dar", 64, 16, 4).streams, 2);
 }
 
+TEST(Accounting, TrainingTrafficIsTheForwardsTwiceOverEveryBranchAndToken) {
+  // `bench --kinds`'s traffic bound: the per-token, per-branch forward figure × d × bytes ×
+  // branches × tokens, doubled for the backward. Residual at d 64, 4 layers (8 branches), 1,000
+  // tokens in float32: 2 · 3 · 64 · 4 · 8 · 1000 bytes.
+  EXPECT_DOUBLE_EQ(cost_of("residual", 4, 2, 4).training_traffic_bytes(1000, 4), 2.0 * 3 * 64 * 4 * 8 * 1000);
+  const CostReport msar = cost_of("msar", 4, 2, 4, 640);
+  EXPECT_DOUBLE_EQ(msar.training_traffic_bytes(2048, 2), 2 * msar.traffic_d() * 640 * 2 * 8 * 2048);
+  EXPECT_GT(msar.training_traffic_bytes(1, 4), cost_of("residual", 4, 2, 4, 640).training_traffic_bytes(1, 4));
+}
+
 // A small backbone for the FLOP counts: 3 layers, d 48, 6/2 heads (head dim 8), d_ff 100,
 // vocabulary 300, 31 positions.
 ModelConfig accounting_backbone() {

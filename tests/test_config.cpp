@@ -7,11 +7,28 @@
 namespace depthkit::test {
 
 TEST(Config, LoadsEveryShippedConfig) {
-  for (const char* name : {"tiny.toml", "paper/dense-0.1b.toml", "paper/dense-0.3b.toml",
+  for (const char* name : {"tiny.toml", "bench/wide.toml", "paper/dense-0.1b.toml", "paper/dense-0.3b.toml",
                            "paper/dense-0.5b.toml", "paper/dense-1b.toml"}) {
     Config c = Config::load(source_dir() + "/configs/" + name);
     EXPECT_GT(c.total_steps(), 0) << name;
   }
+}
+
+TEST(Config, WideBenchPresetHasTheDense01bLayer) {
+  // configs/bench/wide.toml is `bench --kinds` at the 0.1B width (issue 18): dense-0.1b's layer,
+  // the widths `bench --ops 0.1b` times the operators at, in 4 layers of T 512 × batch 4.
+  const Config w = Config::load(source_dir() + "/configs/bench/wide.toml");
+  const Config p = Config::load(source_dir() + "/configs/paper/dense-0.1b.toml");
+  EXPECT_EQ(w.model.d_model, p.model.d_model);
+  EXPECT_EQ(w.model.n_heads, p.model.n_heads);
+  EXPECT_EQ(w.model.n_kv_heads, p.model.n_kv_heads);
+  EXPECT_EQ(w.model.resolved_head_dim(), p.model.resolved_head_dim());
+  EXPECT_EQ(w.model.d_ff, p.model.d_ff);
+  EXPECT_EQ(w.model.d_model, 640);
+  EXPECT_EQ(w.model.n_layers, 4);
+  EXPECT_EQ(w.model.seq_len, 512);
+  EXPECT_EQ(w.train.micro_batch, 4);
+  EXPECT_EQ(w.model.vocab_size, 4096);
 }
 
 TEST(Config, UnknownKeyIsNamed) {

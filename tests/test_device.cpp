@@ -91,13 +91,19 @@ TEST(Device, BenchRunsOnTheResolvedDevice) {
     EXPECT_EQ(r.peak_device_bytes, -1);  // the CPU's tensors are peak_tensor_bytes
     EXPECT_GT(r.peak_tensor_bytes, 0);
     EXPECT_GT(r.tokens_per_s, 0);
+    EXPECT_GT(r.copy_gbs, 0);  // the plain copy the traffic bound is rated against, timed in the rounds
+    EXPECT_EQ(r.copy_gbs, cpu[0].copy_gbs);
   }
+  // DAR moves more than the residual's adds (`depthkit cost`'s traffic, per step).
+  EXPECT_GT(cpu[1].traffic_bytes, cpu[0].traffic_bytes);
+  EXPECT_GT(cpu[0].traffic_ms(), 0);
   cfg.train.device = "cuda";
   if (visible_gpus() == 0) {
     expect_error([&] { run_bench(cfg, 1, 0); }, {"train.device"});
   } else {
     const BenchResult r = run_bench(cfg, 2, 1);
     EXPECT_EQ(r.device, "cuda:0");
+    EXPECT_GT(r.copy_gbs, 0);  // the copy on the device, between synchronisations
 #ifdef DEPTHKIT_WITH_CUDA
     EXPECT_GT(r.peak_device_bytes, 0);
 #endif

@@ -10,6 +10,10 @@ double CostReport::traffic_d() const {
   return t;
 }
 
+double CostReport::training_traffic_bytes(int64_t tokens, int64_t element_bytes) const {
+  return 2 * traffic_d() * double(d) * double(element_bytes) * double(branches) * double(tokens);
+}
+
 CostReport training_cost(const ModelConfig& model, const ResidualConfig& residual) {
   CostReport c;
   c.kind = residual.kind;

@@ -35,6 +35,12 @@ struct CostReport {
   double overhead_percent = 0;
   std::vector<TrafficTerm> traffic;
   double traffic_d() const;   // total read + write, in units of d
+  // The pathway's memory traffic in one training step of `tokens` tokens, activations of
+  // `element_bytes` bytes: traffic_d() · d bytes per token per branch, over every branch and token,
+  // twice. The forward's terms alone are counted above (Table 6); the backward moves at least as
+  // much, since each tensor the forward reads gets a gradient written and each it writes a
+  // gradient read. A lower bound, then: no re-reads of saved inputs, no recomputation.
+  double training_traffic_bytes(int64_t tokens, int64_t element_bytes) const;
 };
 
 CostReport training_cost(const ModelConfig& model, const ResidualConfig& residual);

@@ -215,7 +215,14 @@ void add_bench(CLI::App& app, Action& action) {
                           {"tokens_per_s", r.tokens_per_s},
                           {"tokens_per_step", r.tokens_per_step},
                           {"overhead", r.median_step_s / base - 1.0},
+                          {"overhead_ms", (r.median_step_s - base) * 1e3},
                           {"ratio", r.median_step_s / base},
+                          // the pathway's bytes per step (`depthkit cost`, forward and backward)
+                          // at the copy's speed; the bound is what the first kind's leaves over
+                          {"traffic_bytes_per_step", r.traffic_bytes},
+                          {"copy_gbs", r.copy_gbs},
+                          {"traffic_ms", r.traffic_ms()},
+                          {"traffic_bound_ms", r.traffic_ms() - results[0].traffic_ms()},
                           {"peak_rss_bytes", r.peak_rss_bytes},
                           {"peak_tensor_bytes", r.peak_tensor_bytes},
                           {"device", r.device},
@@ -266,15 +273,26 @@ void add_bench(CLI::App& app, Action& action) {
         return 0;
       }
       // On a GPU the memory that matters is the device's; the CPU's tensors are then only the batches.
-      std::printf("%-14s %12s %12s %10s %12s   (interleaved, medians of %lld steps after %lld warm-up; S = %lld; "
-                  "on %s)\n",
-                  "kind", "step ms", "tokens/s", "overhead", device_memory ? "device MiB" : "tensor MiB",
-                  (long long)a->steps, (long long)a->warmup, (long long)cfg.residual.block_sublayers,
-                  results[0].device.c_str());
+      // The traffic bound beside the overhead: the pathway's bytes beyond the first kind's at the
+      // copy's speed, the least its overhead can be where the pathway is bound by memory (with
+      // residual first, its row is 0: the standard residual's own adds are the baseline, as
+      // `depthkit cost`'s overhead subtracts them).
+      std::printf("%-14s %12s %12s %10s %12s %17s %12s   (interleaved, medians of %lld steps after %lld warm-up; "
+                  "S = %lld; on %s)\n",
+                  "kind", "step ms", "tokens/s", "overhead", "overhead ms", "traffic bound ms",
+                  device_memory ? "device MiB" : "tensor MiB", (long long)a->steps, (long long)a->warmup,
+                  (long long)cfg.residual.block_sublayers, results[0].device.c_str());
       for (const auto& r : results)
-        std::printf("%-14s %12.2f %12.0f %9.1f%% %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
-                    100.0 * (r.median_step_s / base - 1.0),
+        std::printf("%-14s %12.2f %12.0f %9.1f%% %12.2f %17.2f %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3,
+                    r.tokens_per_s, 100.0 * (r.median_step_s / base - 1.0), (r.median_step_s - base) * 1e3,
+                    r.traffic_ms() - results[0].traffic_ms(),
                     double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20));
+      std::printf("traffic bound ms: (the kind's pathway bytes per step - %s's) / a plain copy's %.2f GB/s, timed "
+                  "among the steps;\nbytes per step (`depthkit cost`'s traffic, forward and backward):",
+                  results[0].kind.c_str(), results[0].copy_gbs);
+      for (size_t k = 0; k < results.size(); ++k)
+        std::printf("%s %s %.1f MB", k ? "," : "", results[k].kind.c_str(), results[k].traffic_bytes / 1e6);
+      std::printf("\n");
       print_dispatch(results);
       if (a->profile > 0)
         for (const auto& r : results) print_profile(r, a->top);

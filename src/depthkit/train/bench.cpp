@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 
@@ -13,10 +14,12 @@
 #include <cmath>
 #include <memory>
 
+#include "depthkit/analysis/accounting.h"
 #include "depthkit/dist/world.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/moe.h"
 #include "depthkit/model/transformer.h"
+#include "depthkit/train/op_bench.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
@@ -86,11 +89,14 @@ struct Bench {
   }
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 void summarise(BenchResult& r, int64_t tokens_per_step) {
-  std::vector<double> sorted = r.step_s;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  r.median_step_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  r.median_step_s = median(r.step_s);
   r.tokens_per_step = tokens_per_step;
   r.tokens_per_s = double(tokens_per_step) / r.median_step_s;
   r.peak_rss_bytes = peak_rss_bytes();
@@ -182,12 +188,31 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
     benches.back()->own_bytes = cpu.current() - before;
     if (on_device) benches.back()->own_device_bytes = dev.current() - device_before;
   }
+  // The copy the pathways' traffic is rated against: one stream per branch of the first variant's
+  // micro-batch in its compute dtype, the activations a pathway streams through in a step (tens of
+  // MB at the 0.1B width: memory's speed, not the cache's, as for the pathways, whose reads
+  // follow the branches' GEMMs). Allocated after the models, whose own memory is counted apart.
+  const Config& c0 = configs[0];
+  PlainCopy copy(at::ones({c0.model.n_branches(), c0.train.micro_batch * c0.model.seq_len, c0.model.d_model},
+                          at::TensorOptions(compute_dtype_of(c0.train)).device(device)));
+  copy.time_ms();  // the destination's pages are first touched here, not in a timed copy
+  std::vector<double> copy_ms;
   std::vector<BenchResult> results(variants.size());
-  for (int64_t i = 0; i < warmup + steps; ++i)
+  for (int64_t i = 0; i < warmup + steps; ++i) {
     for (size_t k = 0; k < benches.size(); ++k) {
       const double s = benches[k]->measured_step();
       if (i >= warmup) results[k].step_s.push_back(s);
     }
+    // In every round, so that it sees the steps' machine; three copies (a few ms each against a
+    // step's hundreds), so that one preempted by another process does not make the median.
+    for (int j = 0; j < 3; ++j) {
+      const double c = copy.time_ms();
+      if (i >= warmup) copy_ms.push_back(c);
+    }
+  }
+  const double copy_gbs = copy.gbs(median(copy_ms));
+  copy.src.reset();  // not kept through the dispatch measurement below
+  copy.dst.reset();
   for (size_t k = 0; k < variants.size() && profile_steps > 0; ++k) {
     OpProfile profile;
     profile.start();
@@ -208,6 +233,9 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
     r.parameters = n.total;
     r.active_parameters = n.active;
     summarise(r, configs[k].tokens_per_step());
+    r.traffic_bytes = training_cost(configs[k].model, configs[k].residual)
+                          .training_traffic_bytes(r.tokens_per_step, int64_t(c10::elementSize(compute_dtype_of(configs[k].train))));
+    r.copy_gbs = copy_gbs;
   }
   // After the timing, so that its allocations do not touch the steps.
   for (size_t k = 0; k < variants.size(); ++k)

@@ -12,6 +12,9 @@
 // For an MoE variant, the memory of one MoE layer's dispatch is measured as well (DispatchMemory).
 // With profile_steps > 0, each kind then runs that many more steps (untimed) under an OpProfile
 // (util/op_profile.h): where its step time goes, operator by operator.
+// Each kind's pathway traffic is given in ms at the speed of a plain copy timed in the same
+// rounds (BenchResult::traffic_ms): the least time its pathway can add to a step if it is bound
+// by memory, to set beside the overhead measured.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -64,6 +67,13 @@ struct BenchResult {
   int64_t parameters = 0, active_parameters = 0;  // the model's (ParameterCounts::total, ::active)
   bool has_dispatch = false;  // an MoE variant (n_experts > 0) on a device whose memory is counted
   DispatchMemory dispatch;
+  // The pathway's memory traffic per step, `depthkit cost`'s count (CostReport::
+  // training_traffic_bytes, forward and backward, in the compute dtype), and the bandwidth of a
+  // plain copy timed three times a round among the steps (PlainCopy, train/op_bench.h; the same for
+  // every variant): what the pathway's bytes take at the speed memory allows.
+  double traffic_bytes = 0;
+  double copy_gbs = 0;
+  double traffic_ms() const { return traffic_bytes / (copy_gbs * 1e9) * 1e3; }
 };
 
 // A label and the "section.key=value" overrides that make it from the common config.

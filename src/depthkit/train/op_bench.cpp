@@ -18,9 +18,24 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
+
+PlainCopy::PlainCopy(at::Tensor source) : src(std::move(source)), dst(at::empty_like(src)) {}
+
+double PlainCopy::time_ms() {
+  synchronize(src.device());  // what was queued before is not the copy's time
+  const auto t0 = std::chrono::steady_clock::now();
+  dst.copy_(src);
+  synchronize(src.device());
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double PlainCopy::gbs(double ms) const {
+  return 2.0 * double(src.element_size()) * double(src.numel()) / (ms * 1e-3) / 1e9;  // read + write
+}
 
 namespace {
 
@@ -185,11 +200,12 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
 
 // The fused completed read's forward against a plain copy of its sources, interleaved.
 ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
-  at::Tensor q = at::randn({1, s.d}, g), src = at::randn({s.N, s.P, s.d}), dst = at::empty_like(src);
+  at::Tensor q = at::randn({1, s.d}, g), src = at::randn({s.N, s.P, s.d});
+  PlainCopy copy(src);
   std::vector<double> read_ms, copy_ms;
   for (int64_t i = 0; i <= repeats; ++i) {
     const double r = time_ms([&] { fused::depth_read(q, src, at::Tensor(), kKeyNormEps); });
-    const double c = time_ms([&] { dst.copy_(src); });
+    const double c = copy.time_ms();
     if (i > 0) {  // the first is a warm-up
       read_ms.push_back(r);
       copy_ms.push_back(c);
@@ -200,7 +216,7 @@ ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
   const double elem = double(src.element_size());
   b.bytes = elem * (double(s.N) * s.P * s.d + double(s.P) * s.d) + 4.0 * s.P;  // sources, output, ζ
   b.fused_ms = median(read_ms);
-  b.copy_gbs = 2.0 * elem * double(src.numel()) / (median(copy_ms) * 1e-3) / 1e9;  // read + write
+  b.copy_gbs = copy.gbs(median(copy_ms));
   return b;
 }
 

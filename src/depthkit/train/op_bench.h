@@ -3,11 +3,24 @@
 // timed interleaved in one process (medians over repeats); and the fused read's achieved
 // bandwidth against a plain copy measured in the same run (docs/benchmarks.md).
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace depthkit {
+
+// A plain copy of a tensor into another of its shape (at::Tensor::copy_): the speed memory
+// allows, against which `bench --ops` rates the fused operators and `bench --kinds` the
+// pathways' traffic (train/bench.h). Timed in the same rounds as what it is compared with, so
+// that both see the same machine.
+struct PlainCopy {
+  at::Tensor src, dst;
+  explicit PlainCopy(at::Tensor source);
+  double time_ms();  // one copy, between two synchronisations on a device
+  double gbs(double ms) const;  // the bytes read and written ÷ ms
+};
 
 struct OpTiming {
   std::string op;     // e.g. "depth_read"
