@@ -96,6 +96,7 @@ std::vector<Field> fields(Config& c) {
       {"optim", "beta2", &o.beta2, 0, 0.999999999},
       {"optim", "eps", &o.eps, 0, 1},
       {"optim", "grad_clip", &o.grad_clip, 0, kInf},
+      {"optim", "impl", &o.impl, -kInf, kInf, {"reference", "fused"}},
   };
 }
 

@@ -119,6 +119,9 @@ struct OptimConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;
+  // The update: "fused" (ATen's at::_fused_adamw_, one kernel over every parameter of a weight-decay
+  // group) | "reference" (the elementwise ATen ops per parameter, torch.optim.AdamW's formula).
+  std::string impl = "fused";
 };
 
 struct Config {

@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/stack.h>
@@ -77,6 +78,7 @@ int64_t AdamW::state_bytes() const { return 2 * exp_avg_.numel() * int64_t(exp_a
 void AdamW::step(double lr) {
   at::NoGradGuard no_grad;
   ++step_;
+  if (cfg_.impl == "fused") return fused_step(lr);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(step_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, double(step_));
   const auto& ps = params_.all();
@@ -92,6 +94,34 @@ void AdamW::step(double lr) {
     v.mul_(cfg_.beta2).addcmul_(grad, grad, 1.0 - cfg_.beta2);
     at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
     p.addcdiv_(m, denom, -lr / bc1);
+  }
+}
+
+void AdamW::fused_step(double lr) {
+  // The slices of the parameters with and without weight decay, each group one call of ATen's
+  // fused kernel: the same update as step()'s loop, in one pass over each tensor instead of five.
+  struct Group {
+    std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
+  } groups[2];
+  const auto& ps = params_.all();
+  for (const Slice& s : slices_) {
+    const at::Tensor& whole = ps[s.param].tensor;
+    const at::Tensor& g = whole.grad();
+    if (!g.defined()) continue;
+    Group& group = groups[ps[s.param].decay && cfg_.weight_decay > 0 ? 1 : 0];
+    group.params.push_back(whole.view(-1).narrow(0, s.offset, s.length));
+    group.grads.push_back(g.reshape(-1).narrow(0, s.offset, s.length));
+    group.exp_avg.push_back(exp_avg_.narrow(0, s.flat, s.length));
+    group.exp_avg_sq.push_back(exp_avg_sq_.narrow(0, s.flat, s.length));
+  }
+  // The kernel reads the step count (for the bias corrections) from a float32 tensor per parameter.
+  const at::Tensor step = at::scalar_tensor(double(step_), exp_avg_.options());
+  for (int decay = 0; decay < 2; ++decay) {
+    Group& group = groups[decay];
+    if (group.params.empty()) continue;
+    const std::vector<at::Tensor> steps(group.params.size(), step);
+    at::_fused_adamw_(group.params, group.grads, group.exp_avg, group.exp_avg_sq, {}, steps, lr, cfg_.beta1,
+                      cfg_.beta2, decay ? cfg_.weight_decay : 0.0, cfg_.eps, /*amsgrad=*/false, /*maximize=*/false);
   }
 }
 

@@ -74,6 +74,7 @@ class AdamW {
     size_t param;
     int64_t offset, length, flat;
   };
+  void fused_step(double lr);  // optim.impl = "fused"
   ParameterStore& params_;
   OptimConfig cfg_;
   ParameterShard shard_;
