@@ -14,6 +14,9 @@
 //
 // SwiGLU's activation (Shazeer 2020): out = silu(g) ⊙ u with σ = sigmoid(g), silu(g) = g σ.
 // Backward: ∂u = ∂out g σ,  ∂g = ∂out u σ (1 + g (1 − σ)).
+//
+// (The vectorising pragmas inside the dtype dispatch are written _Pragma(...): a #pragma line
+// cannot stand in AT_DISPATCH's macro argument.)
 #include "depthkit/ops/cpu/backbone_cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -107,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
         const acc_t r = inv_rms<acc_t>(dot<acc_t>(xr, xr, d), d, eps);
         ip[p] = r;
         scalar_t* yr = yp + p * d;
-_Pragma("omp simd")
+        _Pragma("omp simd")
         for (int64_t i = 0; i < d; ++i) yr[i] = scalar_t(acc_t(xr[i]) * r * acc_t(wp[i]));
       }
     });
@@ -137,12 +140,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_in, 
         const scalar_t* gr = gp + p * d;
         const acc_t r = ip[p];
         acc_t ux = 0;  // (∂y ⊙ w) · x
-_Pragma("omp simd reduction(+ : ux)")
+        _Pragma("omp simd reduction(+ : ux)")
         for (int64_t i = 0; i < d; ++i) ux += acc_t(gr[i]) * acc_t(wp[i]) * acc_t(xr[i]);
         const acc_t c = r * r * r * ux / acc_t(d);
         scalar_t* gxr = gxp + p * d;
         acc_t* gw = pp + sum_block(p) * d;
-_Pragma("omp simd")
+        _Pragma("omp simd")
         for (int64_t i = 0; i < d; ++i) {
           const acc_t xi = acc_t(xr[i]), gi = acc_t(gr[i]);
           gxr[i] = scalar_t(r * gi * acc_t(wp[i]) - xi * c);
@@ -249,7 +252,7 @@ at::Tensor swiglu_forward(const at::Tensor& gu_in) {
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t *gate = src + p * 2 * F, *up = gate + F;
         scalar_t* o = dst + p * F;
-_Pragma("omp simd")
+        _Pragma("omp simd")
         for (int64_t i = 0; i < F; ++i) {
           const acc_t g = acc_t(gate[i]);
           o[i] = scalar_t(g * sigmoid_vectorisable(g) * acc_t(up[i]));
@@ -274,7 +277,7 @@ at::Tensor swiglu_backward(const at::Tensor& grad_in, const at::Tensor& gu_in) {
       for (int64_t p = p0; p < p1; ++p) {
         const scalar_t *gate = src + p * 2 * F, *up = gate + F, *go = gp + p * F;
         scalar_t *d_gate = dst + p * 2 * F, *d_up = d_gate + F;
-_Pragma("omp simd")
+        _Pragma("omp simd")
         for (int64_t i = 0; i < F; ++i) {
           const acc_t g = acc_t(gate[i]), u = acc_t(up[i]), o = acc_t(go[i]);
           const acc_t s = sigmoid_vectorisable(g);

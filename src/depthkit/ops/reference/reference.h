@@ -1,7 +1,7 @@
 // The reference compositions of the fused operators, one per operator, each with exactly the
 // signature of its fused:: twin (ops/fused.h, ops/dar_ops.h, ops/msar_ops.h, ops/mhc_ops.h,
-// ops/backbone_ops.h), so
-// that a pathway switches with `fused ? fused::op : reference::op`. They are ATen compositions
+// ops/backbone_ops.h), so that a pathway (or the backbone, model/layers.h) switches with
+// `fused ? fused::op : reference::op`. They are ATen compositions
 // (autograd gives their backward) of the depth-attention primitive (depth_attention.h) and the
 // papers' equations: what `residual.impl = "reference"` runs and what the tests hold the fused
 // operators to (docs/design.md, "Fused operators"). An absent optional input is an undefined
