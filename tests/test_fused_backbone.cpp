@@ -9,11 +9,13 @@
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/rand.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include "depthkit/config/config.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/ops/backbone_ops.h"
+#include "depthkit/ops/kernel_choice.h"
 #include "depthkit/ops/reference/reference.h"
 #include "helpers.h"
 #include "op_checks.h"
@@ -162,9 +164,20 @@ TEST(FusedBackbone, BadInputsAreRefused) {
                {"linear_cross_entropy", "outside the vocabulary"});
   expect_error([&] { fused::rms_norm(h, at::ones({4}), 1e-5); }, {"rms_norm", "does not match"});
   expect_error([&] { fused::swiglu(at::randn({2, 3})); }, {"swiglu", "2F"});
+  expect_error([&] { fused::swiglu(at::randn({2, 0})); }, {"swiglu", "empty"});
+  expect_error([&] { fused::rms_norm(at::randn({2, 0}), at::ones({0}), 1e-5); }, {"rms_norm", "empty"});
   const Rope rope = tables(4, 4);
   expect_error([&] { fused::rope_qkv(at::randn({1, 5, 16}), rope.cos, rope.sin, 2, 1, 0); },
                {"rope_qkv", "exceed"});
+}
+
+// The backward operators have no derivative: a second derivative is refused, not silently zero.
+TEST(FusedBackbone, SecondDerivativesAreRefused) {
+  auto g = generator(4);
+  const at::Tensor x = at::randn({3, 8}, g).requires_grad_(), w = at::rand({8}, g);
+  const at::Tensor y = fused::swiglu(fused::rms_norm(x, w, 1e-5)).sum();
+  expect_error([&] { torch::autograd::grad({y}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true); },
+               {"swiglu", "not differentiable"});
 }
 
 // The whole model: model.impl = "fused" and "reference" give the same loss and the same gradient
@@ -185,6 +198,9 @@ TEST(FusedBackbone, ModelEqualsReferenceComposition) {
       for (const auto& p : model.parameters().all()) grads.push_back(p.tensor.grad());
       runs.emplace_back(loss.detach(), grads);
     }
+    // The fused run did run the operators (a missing kernel would run the compositions twice).
+    for (const char* op : {"rms_norm", "rope_qkv", "swiglu", "linear_cross_entropy"})
+      EXPECT_TRUE(has_fused_kernel(op, c10::DeviceType::CPU)) << op;
     EXPECT_TRUE(near(runs[0].first, runs[1].first, 1e-12, "loss"));
     for (size_t i = 0; i < runs[0].second.size(); ++i)
       EXPECT_TRUE(near(runs[0].second[i], runs[1].second[i], 1e-10, cat("gradient ", i)));

@@ -8,8 +8,8 @@
 //   depthkit::swiglu(Tensor gate_up) -> Tensor
 //   depthkit::linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets) -> Tensor
 //   and their *_backward operators; linear_cross_entropy_backward(hidden, weight, targets) returns
-//   (loss, ∂hidden, ∂weight) for a unit upstream gradient: it replaces the forward when gradients
-//   are wanted, as both need each chunk's logits.
+//   (loss, ∂hidden, ∂weight) for a unit upstream gradient, in the accumulation dtype: it replaces
+//   the forward when gradients are wanted, as both need each chunk's logits.
 #include "depthkit/ops/backbone_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -49,8 +49,11 @@ using CrossEntropyBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const
 // ---- The linear cross-entropy's kernel ----------------------------------------------------------
 
 // Tokens per chunk: about this many bytes of logits, so that a chunk's logits stay in the cache
-// between the GEMM that writes them, the softmax, and the two GEMMs of the gradient.
+// between the GEMM that writes them, the softmax, and the two GEMMs of the gradient; but never
+// fewer than kMinChunkTokens, since each chunk's products read W (and ∂W) whole, which at large
+// vocabularies (65,536) would otherwise make them memory-bound.
 constexpr int64_t kChunkLogitBytes = int64_t(8) << 20;
+constexpr int64_t kMinChunkTokens = 256;
 
 // Σ over tokens of −log softmax(hidden · weightᵀ)[target], and with `with_grad` the gradients of
 // the mean: ∂logits = (softmax − onehot(target)) / N per chunk, ∂hidden = ∂logits · weight,
@@ -71,9 +74,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_impl(const a
   const at::ScalarType acc = hidden_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor hidden = hidden_in.to(acc).contiguous(), weight = weight_in.to(acc).contiguous();
   const at::Tensor tgt = targets.contiguous().unsqueeze(1);
-  if (N > 0 && (tgt.min().item<int64_t>() < 0 || tgt.max().item<int64_t>() >= V))
+  if (tgt.min().item<int64_t>() < 0 || tgt.max().item<int64_t>() >= V)
     fail("linear_cross_entropy: a target is outside the vocabulary [0, ", V, ")");
-  const int64_t chunk = std::clamp<int64_t>(kChunkLogitBytes / (V * int64_t(c10::elementSize(acc))), 1, N);
+  const int64_t chunk =
+      std::min(N, std::max(kMinChunkTokens, kChunkLogitBytes / (V * int64_t(c10::elementSize(acc)))));
   const double inv_n = 1.0 / double(N);
   at::Tensor logits = at::empty({chunk, V}, hidden.options()), logp = at::empty({chunk, V}, hidden.options());
   at::Tensor total = at::zeros({}, hidden.options());
@@ -98,8 +102,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_impl(const a
     g_weight.addmm_(p.t(), h, 1.0, inv_n);
   }
   total.mul_(inv_n);
-  if (!with_grad) return {total, at::Tensor(), at::Tensor()};
-  return {total, g_hidden.to(hidden_in.scalar_type()), g_weight.to(weight_in.scalar_type())};
+  // The gradients stay in the accumulation dtype: the backward scales them by the upstream
+  // gradient first and rounds to the inputs' dtype once.
+  return {total, g_hidden, g_weight};
 }
 
 at::Tensor linear_cross_entropy_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets) {
@@ -114,6 +119,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward_cpu
 
 // ---- Autograd: forward through the dispatcher, backward = the hand-written backward op ----------
 
+// The backward operators have no derivative of their own: a backward that would build a graph
+// (create_graph, for a second derivative) is refused rather than silently constant.
+void once_differentiable(const char* op) {
+  if (at::GradMode::is_enabled()) fail(op, ": its backward is not differentiable (no second derivatives)");
+}
+
 class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -125,6 +136,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     return {y, inv};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    once_differentiable("rms_norm");
     static auto back = op<NormBackSig>("depthkit::rms_norm_backward");
     auto s = ctx->get_saved_variables();
     auto [gx, gw] = back.call(grads[0], s[0], s[1], s[2]);
@@ -146,6 +158,7 @@ class RopeQkvFunction : public torch::autograd::Function<RopeQkvFunction> {
     return {q, k, v};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    once_differentiable("rope_qkv");
     static auto back = op<RopeBackSig>("depthkit::rope_qkv_backward");
     auto s = ctx->get_saved_variables();
     return {back.call(wrap(grads[0]), wrap(grads[1]), wrap(grads[2]), s[0], s[1], ctx->saved_data["H"].toInt(),
@@ -163,6 +176,7 @@ class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
     return {swiglu.call(gate_up)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    once_differentiable("swiglu");
     static auto back = op<SwigluBackSig>("depthkit::swiglu_backward");
     return {back.call(grads[0], ctx->get_saved_variables()[0])};
   }
@@ -180,12 +194,16 @@ class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossE
     static auto loss_and_grads = op<CrossEntropyBackSig>("depthkit::linear_cross_entropy_backward");
     auto [loss, gh, gw] = loss_and_grads.call(hidden, weight, targets);
     ctx->save_for_backward({gh, gw});
+    ctx->saved_data["hidden_dtype"] = hidden.scalar_type();
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();
     return {loss};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    once_differentiable("linear_cross_entropy");
     auto s = ctx->get_saved_variables();
-    const at::Tensor& g = grads[0];
-    return {s[0] * g.to(s[0].scalar_type()), s[1] * g.to(s[1].scalar_type()), at::Tensor(), at::Tensor()};
+    const at::Tensor& g = grads[0];  // a scalar in the accumulation dtype, as ∂h and ∂W are
+    return {(s[0] * g).to(ctx->saved_data["hidden_dtype"].toScalarType()),
+            (s[1] * g).to(ctx->saved_data["weight_dtype"].toScalarType()), at::Tensor(), at::Tensor()};
   }
 };
 

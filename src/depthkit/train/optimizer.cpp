@@ -115,7 +115,7 @@ void AdamW::fused_step(double lr) {
     group.exp_avg_sq.push_back(exp_avg_sq_.narrow(0, s.flat, s.length));
   }
   // The kernel reads the step count (for the bias corrections) from a float32 tensor per parameter.
-  const at::Tensor step = at::scalar_tensor(double(step_), exp_avg_.options());
+  const at::Tensor step = at::scalar_tensor(double(step_), exp_avg_.options().dtype(at::kFloat));
   for (int decay = 0; decay < 2; ++decay) {
     Group& group = groups[decay];
     if (group.params.empty()) continue;

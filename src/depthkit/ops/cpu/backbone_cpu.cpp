@@ -40,7 +40,8 @@ namespace {
 // e^x in float32, written so that `omp simd` loops vectorise it (std::exp is a scalar call): e^x =
 // 2ⁿ e^r with n = round(x log₂e) (by the 1.5·2²³ rounding trick) and r = x − n ln 2 in two parts
 // (Cody–Waite), |r| ≤ ln 2 / 2, e^r by the Cephes expf polynomial (within 2 ulp over the range).
-// x is clamped to [−87, 88], where 2ⁿ is a normal float; NaN stays NaN.
+// x is clamped to [−87, 88], where 2ⁿ is a normal float (only the sigmoid uses it, for which
+// that range is exact enough); a NaN input gives NaN through the polynomial.
 inline float exp_vectorisable(float x) {
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;
@@ -62,8 +63,11 @@ inline acc_t sigmoid_vectorisable(acc_t x) {
   return acc_t(1) / (acc_t(1) + exp_vectorisable(-x));
 }
 
-// Rows of a tensor whose last dimension is the features.
-int64_t rows_of(const at::Tensor& t) { return t.numel() / t.size(-1); }
+// Rows of a tensor whose last dimension is the features (at least one).
+int64_t rows_of(const at::Tensor& t, const char* op) {
+  if (t.dim() < 1 || t.size(-1) == 0) fail(op, ": the last dimension of ", t.sizes(), " is empty");
+  return t.numel() / t.size(-1);
+}
 
 void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t hd, int64_t offset) {
   if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() || !sin.is_contiguous())
@@ -95,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
     fail("rms_norm: weight ", weight_in.sizes(), " does not match input ", x_in.sizes());
   if (x_in.scalar_type() != weight_in.scalar_type()) fail("rms_norm: input and weight must share a dtype");
   const at::Tensor x = x_in.contiguous(), w = weight_in.contiguous();
-  const int64_t d = x.size(-1), N = rows_of(x);
+  const int64_t d = x.size(-1), N = rows_of(x, "rms_norm");
   at::Tensor y = at::empty_like(x);
   at::Tensor inv = at::empty({N}, x.options().dtype(acc_type_of(x)));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
@@ -123,7 +127,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_in, 
   const at::Tensor g = grad_in.contiguous(), x = x_in.contiguous(), w = weight_in.contiguous();
   const at::Tensor inv = inv_in.contiguous();
   if (g.sizes() != x.sizes()) fail("rms_norm_backward: gradient ", g.sizes(), " does not match input ", x.sizes());
-  const int64_t d = x.size(-1), N = rows_of(x);
+  const int64_t d = x.size(-1), N = rows_of(x, "rms_norm_backward");
   at::Tensor gx = at::empty_like(x);
   at::Tensor partial = at::zeros({sum_blocks(N), d}, x.options().dtype(acc_type_of(x)));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm_backward", [&] {
@@ -240,7 +244,7 @@ at::Tensor rope_qkv_backward(const OptTensor& grad_q, const OptTensor& grad_k, c
 at::Tensor swiglu_forward(const at::Tensor& gu_in) {
   if (gu_in.dim() < 1 || gu_in.size(-1) % 2 != 0) fail("swiglu: expected gate_up [..., 2F], got ", gu_in.sizes());
   const at::Tensor gu = gu_in.contiguous();
-  const int64_t F = gu.size(-1) / 2, N = rows_of(gu);
+  const int64_t F = gu.size(-1) / 2, N = rows_of(gu, "swiglu");
   std::vector<int64_t> shape = gu.sizes().vec();
   shape.back() = F;
   at::Tensor out = at::empty(shape, gu.options());
@@ -265,7 +269,7 @@ at::Tensor swiglu_forward(const at::Tensor& gu_in) {
 
 at::Tensor swiglu_backward(const at::Tensor& grad_in, const at::Tensor& gu_in) {
   const at::Tensor g_out = grad_in.contiguous(), gu = gu_in.contiguous();
-  const int64_t F = gu.size(-1) / 2, N = rows_of(gu);
+  const int64_t F = gu.size(-1) / 2, N = rows_of(gu, "swiglu_backward");
   if (g_out.numel() != N * F) fail("swiglu_backward: gradient ", g_out.sizes(), " does not match ", gu.sizes());
   at::Tensor out = at::empty_like(gu);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu.scalar_type(), "swiglu_backward", [&] {
