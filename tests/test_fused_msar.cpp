@@ -61,38 +61,66 @@ const Shape kShapes[] = {{1, 1, 1, 1, 1, 1}, {4, 1, 1, 1, 5, 3},  {4, 2, 3, 3, 7
 
 std::string describe(const Shape& s) { return cat("m ", s.m, " N ", s.N, " B ", s.B, " T ", s.T, " d ", s.d, " K ", s.K); }
 
-void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
-  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d;
+// Kernel lengths 1 … K across the m − 1 convolved streams (for m = 4, K = 12: 4, 8, 12, the
+// paper's), or none (every one of the K taps is a parameter).
+std::optional<std::vector<int64_t>> lengths_of(const Shape& s, bool with_lengths) {
+  if (!with_lengths) return std::nullopt;
+  std::vector<int64_t> lengths;
+  for (int64_t r = 0; r < s.m - 1; ++r) lengths.push_back(1 + (s.K - 1) * (r + 1) / (s.m - 1));
+  return lengths;
+}
+c10::OptionalIntArrayRef view(const std::optional<std::vector<int64_t>>& v) {
+  return v ? c10::OptionalIntArrayRef(*v) : std::nullopt;
+}
+
+// With kernel lengths, the taps past them are padding: the fused op must neither read them nor give
+// them a gradient, however they are set (here random, not zero; the reference masks them).
+void expect_padding_without_gradient(const at::Tensor& conv_grad, const std::vector<int64_t>& lengths) {
+  ASSERT_TRUE(conv_grad.defined());
+  const int64_t K = conv_grad.size(-1);
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    const at::Tensor padding = conv_grad.select(-3, int64_t(r)).narrow(-1, lengths[r], K - lengths[r]);
+    EXPECT_TRUE(padding.numel() == 0 || padding.abs().max().item<double>() == 0.0) << "stream " << r + 1;
+  }
+}
+
+void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_lengths = false) {
+  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d + 11 * with_lengths;
   auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
                                 at::randn({s.N, s.m - 1, s.d, s.K}, g, opt) * 0.5};
   // A shorter kernel: zero-padded taps (skipped by the kernel where exact; their gradient is not zero).
-  if (s.m > 1 && s.K > 2) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
-  auto read = [](auto op) {
-    return [op](const std::vector<at::Tensor>& t) {
-      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+  if (s.m > 1 && s.K > 2 && !with_lengths) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
+  const auto lengths = lengths_of(s, with_lengths);
+  auto read = [&lengths](auto op) {
+    return [op, &lengths](const std::vector<at::Tensor>& t) {
+      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps, view(lengths));
       return std::vector<at::Tensor>{out, lse};
     };
   };
-  compare(in, read(fused::msar_read), read(reference::msar_read), rtol, {"out", "log-partition"},
-          {"queries", "sources", "conv"}, seed + 5);
+  Compared c = compare(in, read(fused::msar_read), read(reference::msar_read), rtol, {"out", "log-partition"},
+                       {"queries", "sources", "conv"}, seed + 5);
+  if (lengths && s.m > 1) expect_padding_without_gradient(c.fused_inputs[2].grad(), *lengths);
 }
 
-void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType dtype, double rtol) {
-  const uint64_t seed = s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre;
+void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType dtype, double rtol,
+                  bool with_lengths = false) {
+  const uint64_t seed = s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre + 11 * with_lengths;
   auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.B, s.T, s.d}, g, opt), at::randn({s.m, s.B, s.T}, g, opt),
                                 at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.B, s.T, s.d}, g, opt),
                                 at::randn({s.m - 1, s.d, s.K}, g, opt) * 0.5, at::randn({s.m, s.m * s.d}, g, opt),
                                 at::randn({s.m}, g, opt), at::randn({1}, g, opt) + 1.0};
-  if (s.m > 1 && s.K > 2) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
-  auto fuse = [with_partial, hpre](auto op) {
-    return [=](const std::vector<at::Tensor>& t) {
+  if (s.m > 1 && s.K > 2 && !with_lengths) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
+  const auto lengths = lengths_of(s, with_lengths);
+  auto fuse = [with_partial, hpre, &lengths](auto op) {
+    return [=, &lengths](const std::vector<at::Tensor>& t) {
       auto given = [](const at::Tensor& x, bool on) { return on ? x : at::Tensor(); };
       return std::vector<at::Tensor>{op(t[0], t[1], t[2], given(t[3], with_partial), given(t[4], with_partial),
-                                        given(t[5], hpre), given(t[6], hpre), given(t[7], hpre), kKeyNormEps)};
+                                        given(t[5], hpre), given(t[6], hpre), given(t[7], hpre), kKeyNormEps,
+                                        view(lengths))};
     };
   };
   // Absent inputs have no gradient; without a partial, ζ and the queries get none from this op
@@ -109,6 +137,7 @@ void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType d
       const at::Tensor& grad = c.fused_inputs[i].grad();
       EXPECT_TRUE(!grad.defined() || grad.abs().max().item<double>() == 0.0);
     }
+  if (lengths && with_partial && s.m > 1) expect_padding_without_gradient(c.fused_inputs[4].grad(), *lengths);
 }
 
 }  // namespace
@@ -125,6 +154,39 @@ TEST(FusedMsarRead, EqualsReferenceFloat32) {
     SCOPED_TRACE(describe(s));
     compare_read(s, at::kFloat, 1e-5);
   }
+}
+
+// The kernels' lengths given (the pathway passes them): the padding past them, set to random values
+// here, is neither read nor given a gradient, by the fused kernels and the (masking) reference alike.
+TEST(FusedMsar, KernelLengthsSkipThePadding) {
+  for (const Shape& s : kShapes) {
+    SCOPED_TRACE(describe(s));
+    compare_read(s, at::kDouble, 1e-10, true);
+    compare_read(s, at::kFloat, 1e-5, true);
+    for (bool hpre : {false, true}) compare_fuse(s, true, hpre, at::kDouble, 1e-10, true);
+  }
+  // Zero padding with lengths equals zero padding without: the same outputs, and the same gradient
+  // of every tap within the lengths.
+  const Shape s{4, 3, 2, 17, 16, 12};
+  auto g = generator(3);
+  at::Tensor q = at::randn({s.m, s.d}, g, at::kDouble), x = at::randn({s.N, s.B, s.T, s.d}, g, at::kDouble);
+  at::Tensor conv = at::randn({s.N, s.m - 1, s.d, s.K}, g, at::kDouble);
+  const std::vector<int64_t> lengths = {4, 8, 12};
+  for (int64_t r = 0; r < s.m - 1; ++r) conv.select(1, r).narrow(-1, lengths[r], s.K - lengths[r]).zero_();
+  at::Tensor grads[2];
+  for (int with : {0, 1}) {
+    at::Tensor c = conv.clone().requires_grad_();
+    auto [out, lse] = fused::msar_read(q, x, c, kKeyNormEps, with ? c10::OptionalIntArrayRef(lengths) : std::nullopt);
+    (out.square().sum() + lse.sum()).backward();
+    grads[with] = c.grad();
+  }
+  for (int64_t r = 0; r < s.m - 1; ++r)
+    EXPECT_TRUE(near(grads[1].select(1, r).narrow(-1, 0, lengths[r]), grads[0].select(1, r).narrow(-1, 0, lengths[r]),
+                     1e-12, "tap gradients within the lengths"));
+  expect_error([&] { fused::msar_read(q, x, conv, kKeyNormEps, std::vector<int64_t>{4, 8}); },
+               {"msar_read", "kernel_lengths", "m - 1 = 3"});
+  expect_error([&] { fused::msar_read(q, x, conv, kKeyNormEps, std::vector<int64_t>{4, 13, 12}); },
+               {"msar_read", "kernel_lengths[1] = 13", "K = 12"});
 }
 
 TEST(FusedMsarFuse, EqualsReferenceFloat64AndFloat32) {

@@ -2,9 +2,11 @@
 // ops/schema.cpp defines), their CPU kernels (ops/cpu/msar_cpu.cpp), the Autograd kernels that
 // route the backward to the hand-written backward operators, and the C++ wrappers (msar_ops.h).
 //
-//   depthkit::msar_read(Tensor queries, Tensor sources, Tensor conv, float eps) -> (Tensor out, Tensor log_partition)
+//   depthkit::msar_read(Tensor queries, Tensor sources, Tensor conv, float eps, int[]? kernel_lengths=None)
+//       -> (Tensor out, Tensor log_partition)
 //   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
-//                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) -> Tensor
+//                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
+//                       int[]? kernel_lengths=None) -> Tensor
 //   and their *_backward operators.
 //
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
@@ -26,81 +28,98 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using Lengths = c10::OptionalIntArrayRef;
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                   Lengths);
 using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
                                                                    const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&, double);
+                                                                   const at::Tensor&, double, Lengths);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                           const OptTensor&, const OptTensor&, const OptTensor&, double);
+                           const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths);
 using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, double);
+                                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                           const OptTensor&, double, Lengths);
+
+// The kernel lengths kept for the backward (None when absent), and read back.
+c10::IValue keep(Lengths lengths) { return lengths.has_value() ? c10::IValue(lengths->vec()) : c10::IValue(); }
+std::optional<std::vector<int64_t>> kept(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toIntVector();
+}
+Lengths view(const std::optional<std::vector<int64_t>>& v) { return v ? Lengths(*v) : Lengths(); }
 
 
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
-                               double eps) {
+                               double eps, Lengths lengths) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::msar_read");
-    auto [out, lse] = read.call(q, x, c, eps);
+    auto [out, lse] = read.call(q, x, c, eps, lengths);
     ctx->save_for_backward({q, x, c, lse});  // not `out`, not the expanded streams
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["lengths"] = keep(lengths);
     return {out, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
     auto s = ctx->get_saved_variables();
+    const auto lengths = kept(ctx->saved_data["lengths"]);
     auto [gq, gx, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], s[2], s[3],
-                                  ctx->saved_data["eps"].toDouble());
-    return {gq, gx, gc, at::Tensor()};
+                                  ctx->saved_data["eps"].toDouble(), view(lengths));
+    return {gq, gx, gc, at::Tensor(), at::Tensor()};
   }
 };
 
 class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
-                               const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a,
-                               double eps) {
+                               const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b,
+                               const OptTensor& a, double eps, Lengths lengths) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fuse = op<FuseSig>("depthkit::msar_fuse");
     ctx->save_for_backward({out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
                             unwrap(b), unwrap(a)});
     ctx->saved_data["eps"] = eps;
-    return {fuse.call(out, lse, q, part, pconv, w, b, a, eps)};
+    ctx->saved_data["lengths"] = keep(lengths);
+    return {fuse.call(out, lse, q, part, pconv, w, b, a, eps, lengths)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<FuseBackSig>("depthkit::msar_fuse_backward");
     auto s = ctx->get_saved_variables();
+    const auto lengths = kept(ctx->saved_data["lengths"]);
     auto [go, gl, gq, gp, gc, gw, gb, ga] =
         back.call(grads[0], s[0], s[1], s[2], wrap(s[3]), wrap(s[4]), wrap(s[5]),
-                  wrap(s[6]), wrap(s[7]), ctx->saved_data["eps"].toDouble());
-    return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor()};
+                  wrap(s[6]), wrap(s[7]), ctx->saved_data["eps"].toDouble(), view(lengths));
+    return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
-                                                      double eps) {
-  auto r = MsarReadFunction::apply(q, x, c, eps);
+                                                      double eps, Lengths lengths) {
+  auto r = MsarReadFunction::apply(q, x, c, eps, lengths);
   return {r[0], r[1]};
 }
 
 at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
-                              const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps) {
-  return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps)[0];
+                              const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps,
+                              Lengths lengths) {
+  return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps, lengths)[0];
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
-  m.def("msar_read(Tensor queries, Tensor sources, Tensor conv, float eps) -> (Tensor, Tensor)");
+  m.def("msar_read(Tensor queries, Tensor sources, Tensor conv, float eps, int[]? kernel_lengths=None) "
+        "-> (Tensor, Tensor)");
   m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor sources, "
-        "Tensor conv, Tensor log_partition, float eps) -> (Tensor, Tensor, Tensor)");
+        "Tensor conv, Tensor log_partition, float eps, int[]? kernel_lengths=None) -> (Tensor, Tensor, Tensor)");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
-        "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) -> Tensor");
+        "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None) -> Tensor");
   m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "
-        "Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, "
+        "int[]? kernel_lengths=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
@@ -118,17 +137,18 @@ TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
 namespace fused {
 
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps) {
+                                             const at::Tensor& conv, double eps, c10::OptionalIntArrayRef kernel_lengths) {
   static auto read = op<ReadSig>("depthkit::msar_read");
-  return read.call(queries, sources, conv, eps);
+  return read.call(queries, sources, conv, eps, kernel_lengths);
 }
 
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
                      const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps) {
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
+                     c10::OptionalIntArrayRef kernel_lengths) {
   static auto fuse = op<FuseSig>("depthkit::msar_fuse");
   return fuse.call(out, log_partition, queries, wrap(partial), wrap(partial_conv), wrap(w_pre), wrap(b_pre),
-                   wrap(alpha_pre), eps);
+                   wrap(alpha_pre), eps, kernel_lengths);
 }
 
 }  // namespace fused

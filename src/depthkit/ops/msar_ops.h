@@ -13,6 +13,7 @@
 // (ops/reference/reference.h), which the tests hold it to.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
 
 #include <tuple>
 
@@ -24,8 +25,12 @@ namespace depthkit::fused {
 //   zero-padded to the largest kernel K; conv[n, r−1, :, δ] weighs x_{t−δ})
 //   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
 // For the conv = false ablation pass identity taps (ones, K = 1): every stream is the source.
+// kernel_lengths (m − 1 entries in 1 … K), when given: stream r's kernel has kernel_lengths[r − 1]
+// taps and the rest of its K are padding, neither read nor given a gradient (zero), so the
+// kernels skip both (Appendix C: κ = {4, 8, 12} padded to 12). Absent: all K taps are parameters.
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps);
+                                             const at::Tensor& conv, double eps,
+                                             c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
 
 // Phase 2 and fusion, per token: merges the block partial's expansion into each stream by
 // online softmax (λ_r = σ(ζ_r − a_r), DAR eq. A.6–A.10), then fuses the m streams:
@@ -33,9 +38,10 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at
 // or h = mean_r z⁽ʳ⁾ when w_pre, b_pre, alpha_pre are absent (undefined tensors).
 //   out [m, B, T, d], log_partition [m, B, T], queries [m, d];
 //   partial [B, T, d] and partial_conv [m−1, d, K'] (absent at a block's first branch);
-//   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d].
+//   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d]. kernel_lengths as for msar_read.
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
                      const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
-                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps);
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
+                     c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
 
 }  // namespace depthkit::fused

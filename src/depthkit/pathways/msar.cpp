@@ -83,14 +83,16 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   const at::Tensor& sources = s.raw.stacked();
   auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, sources); };
   const at::Tensor queries = in_dtype(b.queries);
+  // The kernels' lengths: their taps past it are padding (Msar::taps), which the operators skip.
+  const c10::OptionalIntArrayRef lengths = conv_ && m_ > 1 ? c10::OptionalIntArrayRef(kernels_) : std::nullopt;
   // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
-  auto [out, lse] = read(queries, sources, in_dtype(s.taps.stacked()), kKeyNormEps);
+  auto [out, lse] = read(queries, sources, in_dtype(s.taps.stacked()), kKeyNormEps, lengths);
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
   s.last_input = fuse(out, lse, queries, with_partial ? s.partial : at::Tensor(),
                       with_partial ? in_dtype(taps(l - 1)) : at::Tensor(), in_dtype(b.w_pre), in_dtype(b.b_pre),
-                      in_dtype(b.alpha_pre), kKeyNormEps);
+                      in_dtype(b.alpha_pre), kKeyNormEps, lengths);
   return s.last_input;
 }
 

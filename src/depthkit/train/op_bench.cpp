@@ -140,6 +140,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
   {  // MSAR (m = 4 streams, kernels κ = 4, 8, 12 zero-padded to K = 12 as the pathway passes them):
      // the read of the completed sources, expanded on the fly, and the partial's merge + H_pre fusion.
     const int64_t m = 4, K = 12, B = P / s.T, T = s.T;
+    const std::vector<int64_t> lengths = {4, 8, 12};  // passed as the pathway does: the padding is skipped
     auto bank = [&](int64_t n) {  // [n, m − 1, d, K]: taps past each kernel's length are zero
       at::Tensor c = at::randn({n, m - 1, d, K}, g) * 0.1;
       c.select(1, 0).narrow(-1, 4, K - 4).zero_();
@@ -149,7 +150,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
     std::vector<at::Tensor> t = {leaf({m, d}, 0.5), leaf({N, B, T, d}), bank(N)};
     auto read = [=](auto op) {
       return [=] {
-        auto [o, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+        auto [o, lse] = op(t[0], t[1], t[2], kKeyNormEps, lengths);
         return Outputs{o, lse};
       };
     };
@@ -161,7 +162,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                                  bank(1).squeeze(0).detach().requires_grad_(), leaf({m, m * d}, 0.02), leaf({m}),
                                  leaf({1}, 0.5)};
     auto fuse = [=](auto op) {
-      return [=] { return Outputs{op(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], kKeyNormEps)}; };
+      return [=] { return Outputs{op(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], kKeyNormEps, lengths)}; };
     };
     out.push_back({"msar_fuse", u, fuse(fused::msar_fuse), fuse(reference::msar_fuse), {cotangent({B, T, d})},
                    // forward: out (m streams), partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial

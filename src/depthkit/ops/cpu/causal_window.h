@@ -5,11 +5,13 @@
 //
 // A stream of one source at token t is v⁽ʳ⁾_t = Σ_{δ<K, δ≤t} c_{r,δ} ⊙ x_{t−δ} (zero before t = 0,
 // per batch row); taps are kept as [K, d] per kernel (so loops over d are contiguous), zero-padded
-// to the largest kernel K, and the padding after a kernel's last nonzero tap is skipped where that
-// is exact (the expansion and ∂x; not ∂c).
+// to the largest kernel K. Taps after a kernel's last nonzero tap are skipped where that is exact
+// (the expansion and ∂x); the gradients of the padding are skipped when the caller gives the
+// kernels' lengths (kernel_lengths).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -17,6 +19,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
 
@@ -47,9 +51,16 @@ void expand(acc_t* v, const scalar_t* x_t, const acc_t* taps, int64_t used, int6
 // W values of d: the J·W sums stay in registers across k and each a_k is loaded once for the J
 // rows, so a multiply-add costs about one load, where a running sum in memory costs two loads and
 // a store per multiply-add (and the tap gradient one read-modify-write per token).
-constexpr int64_t kRows = 4;  // J: 4 rows × 16 float32 = 8 AVX2 accumulators, with room for a_k and b
+// The vector width of the blocked kernels: 64 bytes where the build targets AVX-512 (32 registers),
+// 32 (AVX2: 16 registers) otherwise.
+#ifdef __AVX512F__
+constexpr int64_t kRegBytes = 64;
+#else
+constexpr int64_t kRegBytes = 32;
+#endif
+constexpr int64_t kRows = 4;  // J: 4 rows × two registers = 8 accumulators, with room for a_k and b
 template <class acc_t>
-constexpr int64_t kChunk = 64 / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
+constexpr int64_t kChunk = 2 * kRegBytes / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
 // Tokens per tile of the blocked kernels: the expansions of a tile (N·kTile·d values in the read
 // backward) stay in cache, and the K − 1 rows that the transposes reach outside it are a small part.
 constexpr int64_t kTile = 32;
@@ -59,8 +70,8 @@ constexpr int64_t kTile = 32;
 // a load and a store per multiply-add again.)
 template <class acc_t>
 struct Reg {
-  typedef acc_t type __attribute__((vector_size(32)));
-  static constexpr int64_t lanes = 32 / int64_t(sizeof(acc_t));
+  typedef acc_t type __attribute__((vector_size(kRegBytes)));
+  static constexpr int64_t lanes = kRegBytes / int64_t(sizeof(acc_t));
 };
 
 // One register's worth of p in the accumulation type (bfloat16: its bits are the high half of the float32's).
@@ -70,8 +81,8 @@ inline typename Reg<acc_t>::type load(const S* p) {
   if constexpr (std::is_same_v<S, acc_t>) {
     std::memcpy(&v, p, sizeof v);
   } else if constexpr (std::is_same_v<S, at::BFloat16> && std::is_same_v<acc_t, float>) {
-    typedef uint16_t half_bits __attribute__((vector_size(16)));
-    typedef uint32_t bits __attribute__((vector_size(32)));
+    typedef uint16_t half_bits __attribute__((vector_size(kRegBytes / 2)));
+    typedef uint32_t bits __attribute__((vector_size(kRegBytes)));
     half_bits h;
     std::memcpy(&h, p, sizeof h);
     const bits w = __builtin_convertvector(h, bits) << 16;
@@ -82,6 +93,11 @@ inline typename Reg<acc_t>::type load(const S* p) {
   return v;
 }
 
+// The second level of blocking: kSteps consecutive k at a time. Row i of b serves every (j, k) of
+// the step with j + σk = i, so the J·kSteps multiply-adds load J + kSteps − 1 rows of b and
+// kSteps of a, where k one at a time loads J rows of b and one of a per J multiply-adds.
+constexpr int64_t kSteps = 4;
+
 // One block: J rows of out (d apart) on the kChunk columns where out, a and b point.
 template <int64_t J, int64_t sigma, bool add, class acc_t, class A, class Bv>
 inline void window_block(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t d) {
@@ -90,7 +106,32 @@ inline void window_block(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_
   V acc[J][R];
   for (int64_t j = 0; j < J; ++j)
     for (int64_t e = 0; e < R; ++e) acc[j][e] = add ? load<acc_t>(out + j * d + e * n) : V{};
-  for (int64_t k = 0; k < nk; ++k) {
+  int64_t k = 0;
+  if constexpr (J > 1) {
+    // o = j + σt (t < kSteps the step's k − k0): the b row of (j, t) is o + σk0, and j = o − σt.
+    constexpr int64_t o_lo = sigma > 0 ? 0 : 1 - kSteps, o_hi = sigma > 0 ? J + kSteps - 2 : J - 1;
+    for (; k + kSteps <= nk; k += kSteps) {
+      V ak[kSteps][R];
+#pragma GCC unroll 8
+      for (int64_t t = 0; t < kSteps; ++t)
+#pragma GCC unroll 4
+        for (int64_t e = 0; e < R; ++e) ak[t][e] = load<acc_t>(a + (k + t) * d + e * n);
+#pragma GCC unroll 16
+      for (int64_t o = o_lo; o <= o_hi; ++o) {
+        V bo[R];
+#pragma GCC unroll 4
+        for (int64_t e = 0; e < R; ++e) bo[e] = load<acc_t>(b + (o + sigma * k) * d + e * n);
+#pragma GCC unroll 8
+        for (int64_t t = 0; t < kSteps; ++t) {
+          const int64_t j = o - sigma * t;
+          if (j < 0 || j >= J) continue;
+#pragma GCC unroll 4
+          for (int64_t e = 0; e < R; ++e) acc[j][e] += ak[t][e] * bo[e];
+        }
+      }
+    }
+  }
+  for (; k < nk; ++k) {
     V ak[R];
     for (int64_t e = 0; e < R; ++e) ak[e] = load<acc_t>(a + k * d + e * n);
     for (int64_t j = 0; j < J; ++j) {
@@ -144,27 +185,30 @@ void expand_tile(acc_t* E, const scalar_t* x0, const acc_t* taps, int64_t used, 
 }
 
 // The transpose of `expand_tile` for the tokens t0 ≤ t < t1 of one batch row: dv0 points at the ∂v
-// of token t0 in a buffer with K − 1 zero rows before and after the tile's; x0 and gx0 at row 0 of
-// the batch row (∂x in the accumulation type); gc [K, d] a partial sum of its group of tiles. Then
+// of token t0 in a buffer with K − 1 zero rows before and after the tile's; x0 at row 0 of the
+// batch row; gx_t0 at the ∂x row of token t0 (accumulation type) in a buffer that holds the K − 1
+// rows before it too; gc [K, d] a partial sum of its group of tiles. Then
 //   ∂x_s += Σ_{δ<used} c_δ ⊙ ∂v_{s+δ}   for t0 − (used − 1) ≤ s < t1, s ≥ 0 (nothing to add for
 //            the zero taps δ ≥ used),
-//   ∂c_δ += Σ_s ∂v_{s+δ} ⊙ x_s          for every δ < K (zero taps have gradients too),
+//   ∂c_δ += Σ_s ∂v_{s+δ} ⊙ x_s          for δ < length (zero taps have gradients too),
 // with the zero rows standing in for ∂v outside the tile, so that neither sum has bounds inside.
+// Only the first `length` tap gradients are wanted (the kernel's own taps, not its padding): the
+// last block of taps may run up to kRows − 1 past it, and the caller zeroes those (zero_padding).
 template <class acc_t, class scalar_t>
-void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_t* x0, const acc_t* taps,
-                          int64_t used, int64_t K, int64_t t0, int64_t t1, int64_t d) {
+void expand_backward_tile(const acc_t* dv0, acc_t* gx_t0, acc_t* gc, const scalar_t* x0, const acc_t* taps,
+                          int64_t used, int64_t length, int64_t K, int64_t t0, int64_t t1, int64_t d) {
   if (taps == nullptr) {
 #pragma omp simd
-    for (int64_t i = 0; i < (t1 - t0) * d; ++i) gx0[t0 * d + i] += dv0[i];
+    for (int64_t i = 0; i < (t1 - t0) * d; ++i) gx_t0[i] += dv0[i];
     return;
   }
   if (used > 0) {
     const int64_t s0 = std::max<int64_t>(0, t0 - (used - 1));
-    window_rows<+1, true>(gx0 + s0 * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
+    window_rows<+1, true>(gx_t0 + (s0 - t0) * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
   }
   // Blocks of taps δ0 ≤ δ < δ0 + J (J ≤ K − δ0, so the rows read stay within the zero rows), each
   // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0.
-  for (int64_t delta0 = 0; delta0 < K;) {
+  for (int64_t delta0 = 0; delta0 < length;) {
     const bool block = delta0 + kRows <= K;
     const int64_t J = block ? kRows : 1;
     const int64_t s_lo = std::max<int64_t>(0, t0 - (delta0 + J - 1)), s_hi = t1 - delta0;
@@ -177,6 +221,19 @@ void expand_backward_tile(const acc_t* dv0, acc_t* gx0, acc_t* gc, const scalar_
     }
     delta0 += J;
   }
+}
+
+// ∂x of the tokens t0 − (K − 1) ≤ s < t1 of one batch row (s ≥ 0), gathered in the buffer
+// `local` [t1 − t0 + K − 1, d] (row 0: token t0 − (K − 1)) over every stream of a tile, added to
+// ∂x in memory (row 0 of the batch row at gx0) at once: one read-modify-write of a token's ∂x per
+// tile, where adding each stream's transpose to it would be m.
+template <class acc_t>
+void add_rows(acc_t* gx0, const acc_t* local, int64_t K, int64_t t0, int64_t t1, int64_t d) {
+  const int64_t s0 = std::max<int64_t>(0, t0 - (K - 1));
+  const acc_t* src = local + (s0 - (t0 - (K - 1))) * d;
+  acc_t* dst = gx0 + s0 * d;
+#pragma omp simd
+  for (int64_t i = 0; i < (t1 - s0) * d; ++i) dst[i] += src[i];
 }
 
 // The transposes scatter into the K − 1 tokens before a tile, and every token adds to the
@@ -229,17 +286,38 @@ inline at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
   return conv.to(acc).transpose(-1, -2).contiguous();
 }
 
-// Per kernel of taps [..., K, d]: 1 + the last δ with a nonzero tap (kernels shorter than K are
-// zero-padded; their padding is skipped where that is exact: expansion and ∂x, not ∂c).
-inline std::vector<int64_t> taps_used(const at::Tensor& taps_kd) {
-  const int64_t K = taps_kd.size(-2);
+// The length of each of the L = m − 1 kernels of a bank zero-padded to K taps (MSAR Appendix C:
+// κ = {4, 8, 12} padded to 12): `lengths` when the caller gives them, each in 1 … K, else K. Taps
+// at δ ≥ length are padding, not parameters: they are not read and their gradient is zero.
+inline std::vector<int64_t> kernel_lengths(c10::OptionalIntArrayRef lengths, int64_t L, int64_t K, const char* op) {
+  if (!lengths.has_value()) return std::vector<int64_t>(L, K);
+  if (int64_t(lengths->size()) != L)
+    fail(op, ": kernel_lengths has ", lengths->size(), " entries, expected one per convolved stream (m - 1 = ", L, ")");
+  for (size_t r = 0; r < lengths->size(); ++r)
+    if ((*lengths)[r] < 1 || (*lengths)[r] > K)
+      fail(op, ": kernel_lengths[", r, "] = ", (*lengths)[r], " is outside 1 ... K = ", K, " (the padded kernel)");
+  return lengths->vec();
+}
+
+// Per kernel of taps [..., L, K, d]: 1 + the last δ below its length with a nonzero tap. Taps after
+// it are zero (padding, or a kernel's own zeros at its end): the expansion and ∂x skip them, which
+// is exact; ∂c skips only the padding (zero_padding), as the kernel's own zero taps have gradients.
+inline std::vector<int64_t> taps_used(const at::Tensor& taps_kd, const std::vector<int64_t>& lengths) {
+  const int64_t K = taps_kd.size(-2), L = int64_t(lengths.size());
   const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
   const bool* nz = nonzero.const_data_ptr<bool>();
   std::vector<int64_t> used(nonzero.size(0), 0);
   for (int64_t k = 0; k < nonzero.size(0); ++k)
-    for (int64_t delta = 0; delta < K; ++delta)
+    for (int64_t delta = 0; delta < lengths[k % L]; ++delta)
       if (nz[k * K + delta]) used[k] = delta + 1;
   return used;
+}
+
+// Zeroes the gradient of the padding of taps gradients [..., L, K, d]: taps δ ≥ lengths[r].
+inline void zero_padding(const at::Tensor& grad_taps_kd, const std::vector<int64_t>& lengths) {
+  const int64_t K = grad_taps_kd.size(-2);
+  for (size_t r = 0; r < lengths.size(); ++r)
+    if (lengths[r] < K) grad_taps_kd.select(-3, int64_t(r)).narrow(-2, lengths[r], K - lengths[r]).zero_();
 }
 
 }  // namespace depthkit::cpu

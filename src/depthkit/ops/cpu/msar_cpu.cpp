@@ -22,7 +22,8 @@
 // Query and tap gradients are sums over tokens: one partial sum per group of tiles (a fixed number
 // of tokens, causal_window.h), added at the end, so they do not depend on the number of threads.
 // Taps after a kernel's last nonzero tap (the zero padding of the shorter kernels) are skipped in
-// the expansion and in ∂x, which is exact; ∂c is computed for all K taps.
+// the expansion and in ∂x, which is exact; ∂c is computed for the taps within each kernel's length
+// (the optional kernel_lengths; all K without them) and is zero for the padding.
 // The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
 // register blocks (window_block): 4 rows × 16 values of d summed in registers, each tap (or
 // source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
@@ -136,17 +137,18 @@ FuseArgs check_fuse(const at::Tensor& out, const at::Tensor& lse, const at::Tens
 // (accumulation type) and α_pre.
 struct FuseInputs {
   at::Tensor x, c, W, bias;
-  std::vector<int64_t> used;
+  std::vector<int64_t> lengths, used;
   double alpha = 0.0;
 };
 FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType acc, const at::Tensor& partial,
                        const at::Tensor& partial_conv, const at::Tensor& w_pre, const at::Tensor& b_pre,
-                       const at::Tensor& alpha_pre) {
+                       const at::Tensor& alpha_pre, c10::OptionalIntArrayRef lengths) {
   FuseInputs in;
   if (A.partial) {
     in.x = partial.to(storage).contiguous();
     in.c = taps_kd(partial_conv, acc);
-    in.used = taps_used(in.c);
+    in.lengths = kernel_lengths(lengths, A.m - 1, A.K, "msar_fuse");
+    in.used = taps_used(in.c, in.lengths);
   }
   if (A.hpre) {
     in.W = w_pre.to(acc).contiguous();
@@ -159,11 +161,12 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
-                                                     const at::Tensor& conv, double eps) {
+                                                     const at::Tensor& conv, double eps,
+                                                     c10::OptionalIntArrayRef lengths_) {
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type);
-  const std::vector<int64_t> used = taps_used(c);
+  const std::vector<int64_t> used = taps_used(c, kernel_lengths(lengths_, conv.size(1), conv.size(3), "msar_read"));
   const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
   const int64_t P = B * T;
   at::Tensor out = at::empty({m, B, T, d}, x.options());
@@ -225,14 +228,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
                                                                   const OptTensor& grad_lse_opt,
                                                                   const at::Tensor& queries,
                                                                   const at::Tensor& sources, const at::Tensor& conv,
-                                                                  const at::Tensor& lse_, double eps) {
+                                                                  const at::Tensor& lse_, double eps,
+                                                                  c10::OptionalIntArrayRef lengths_) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(sources);
   const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
                    lse = lse_.to(acc_type).contiguous();
-  const std::vector<int64_t> used = taps_used(c);
+  const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv.size(1), conv.size(3), "msar_read");
+  const std::vector<int64_t> used = taps_used(c, lengths);
   const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
   const int64_t P = B * T, L = m - 1;
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, x.options());
@@ -256,12 +261,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
       acc_t* gc = gc_all + group * N * L * K * d;
       // Per sub-tile of kTile tokens and stream r: the expansions of all sources V [N, kTile, d],
       // per (n, t) s, q·v, w, g·v and per t g·out; then per source ∂v of the tile and its transpose.
-      std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), s(N * kTile), qv(N * kTile),
-          w(N * kTile), gdotv(N * kTile), g_out(kTile);
+      // ∂x of the sub-tile and the pad rows before it, per source, is gathered in GX over the
+      // streams (add_rows).
+      const int64_t gx_rows = kTile + pad;
+      std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * kTile),
+          qv(N * kTile), w(N * kTile), gdotv(N * kTile), g_out(kTile);
       acc_t* dv0 = DV.data() + pad * d;
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
         std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
+        std::fill(GX.begin(), GX.end(), acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
@@ -299,23 +308,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
             }
             const int64_t row0 = (n * B + b) * T;
             const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
-            expand_backward_tile(dv0, gxp + row0 * d, gc + bank * K * d, xp + row0 * d,
-                                 r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank], K, u0, u1, d);
+            expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp + row0 * d,
+                                 r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank],
+                                 r == 0 ? K : lengths[r - 1], K, u0, u1, d);
           }
         }
+        for (int64_t n = 0; n < N; ++n) add_rows(gxp + (n * B + b) * T * d, GX.data() + n * gx_rows * d, K, u0, u1, d);
       }
     });
   };
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
   at::Tensor gq = gq_parts.sum(0).to(queries.scalar_type());
-  at::Tensor gc = gc_parts.sum(0).transpose(-1, -2).to(conv.scalar_type());  // [N, m−1, d, K]
+  at::Tensor gc_kd = gc_parts.sum(0);  // [N, m−1, K, d]
+  zero_padding(gc_kd, lengths);
+  at::Tensor gc = gc_kd.transpose(-1, -2).to(conv.scalar_type());  // [N, m−1, d, K]
   return {gq, gx.to(sources.scalar_type()), gc};
 }
 
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
                              const OptTensor& partial_opt, const OptTensor& partial_conv_opt,
                              const OptTensor& w_pre_opt, const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt,
-                             double eps) {
+                             double eps, c10::OptionalIntArrayRef lengths) {
   const at::Tensor partial = unwrap(partial_opt);
   const at::Tensor partial_conv = unwrap(partial_conv_opt);
   const at::Tensor w_pre = unwrap(w_pre_opt);
@@ -325,7 +338,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
-  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths);
   const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
   const std::vector<int64_t>& used = in.used;
   const double alpha = in.alpha;
@@ -381,7 +394,8 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
                    const OptTensor& partial_opt, const OptTensor& partial_conv_opt, const OptTensor& w_pre_opt,
-                   const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt, double eps) {
+                   const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt, double eps,
+                   c10::OptionalIntArrayRef lengths) {
   const at::Tensor partial = unwrap(partial_opt);
   const at::Tensor partial_conv = unwrap(partial_conv_opt);
   const at::Tensor w_pre = unwrap(w_pre_opt);
@@ -393,7 +407,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const auto acc_opts = out_.options().dtype(acc_type);
   const at::Tensor g = grad_.defined() ? grad_.to(out_.scalar_type()).contiguous() : at::zeros({B, T, d}, out_.options());
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
-  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths);
   const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
   const std::vector<int64_t>& used = in.used;
   const double alpha = in.alpha;
@@ -428,8 +442,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       // Per sub-tile of kTile tokens: the expansions of the partial V [m, kTile, d] (expand_tile),
       // then token by token with ∂v into DV [m, kTile + 2(K − 1), d] (K − 1 zero rows either side),
       // then per stream the transpose (expand_backward_tile).
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)), z(md), dz(md),
-          s(m), qv(m), lam(m), pre(m), y(m), u(m);
+      // ∂partial of the sub-tile and the pad rows before it is gathered in GX over the streams (add_rows).
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)),
+          GX(A.partial ? (kTile + pad) * d : 0), z(md), dz(md), s(m), qv(m), lam(m), pre(m), y(m), u(m);
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
         for (int64_t r = 0; A.partial && r < m; ++r) {
@@ -507,10 +522,14 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             }
           }
         }
-        for (int64_t r = 0; A.partial && r < m; ++r)
-          expand_backward_tile(DV.data() + (r * rows + pad) * d, gxp + b * T * d,
+        if (!A.partial) continue;
+        std::fill(GX.begin(), GX.end(), acc_t(0));
+        for (int64_t r = 0; r < m; ++r)
+          expand_backward_tile(DV.data() + (r * rows + pad) * d, GX.data() + pad * d,
                                gc + std::max<int64_t>(r - 1, 0) * K * d, xp + b * T * d,
-                               r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1], K, u0, u1, d);
+                               r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1],
+                               r == 0 ? K : in.lengths[r - 1], K, u0, u1, d);
+        add_rows(gxp + b * T * d, GX.data(), K, u0, u1, d);
       }
     });
   };
@@ -520,7 +539,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   at::Tensor gx_out, gc_out, gw_out, gb_out, ga_out;
   if (A.partial) {
     gx_out = gx.to(partial.scalar_type());
-    gc_out = total.narrow(0, n_q, n_c).view({L, K, d}).transpose(-1, -2).to(partial_conv.scalar_type());
+    const at::Tensor gc_kd = total.narrow(0, n_q, n_c).view({L, K, d});
+    zero_padding(gc_kd, in.lengths);
+    gc_out = gc_kd.transpose(-1, -2).to(partial_conv.scalar_type());
   }
   if (A.hpre) {
     gw_out = total.narrow(0, n_q + n_c, n_w).view({m, m * d}).to(w_pre.scalar_type());

@@ -1,6 +1,7 @@
 // CPU kernels of the fused MSAR read and merge-fuse (declared here, registered in ops/msar_ops.cpp).
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
 
 #include <tuple>
 
@@ -8,16 +9,21 @@
 
 namespace depthkit::cpu {
 
+// kernel_lengths (optional, m − 1 entries in 1 … K): each convolved stream's kernel length; the
+// taps after it are padding, neither read nor given a gradient (zero). Absent: all K taps.
+//
 // queries [m, d], sources [N, B, T, d] (raw single-stream), conv [N, m−1, d, K]
 //   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
-                                                     const at::Tensor& conv, double eps);
+                                                     const at::Tensor& conv, double eps,
+                                                     c10::OptionalIntArrayRef kernel_lengths);
 // Gradients of (out, ζ) → (queries, sources, conv). Either gradient may be undefined (zero).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out,
                                                                   const OptTensor& grad_lse,
                                                                   const at::Tensor& queries,
                                                                   const at::Tensor& sources, const at::Tensor& conv,
-                                                                  const at::Tensor& lse, double eps);
+                                                                  const at::Tensor& lse, double eps,
+                                                                  c10::OptionalIntArrayRef kernel_lengths);
 
 // out [m, B, T, d], ζ [m, B, T], queries [m, d]; optional (undefined = absent): partial [B, T, d]
 // with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with b_pre [m] and
@@ -25,12 +31,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
 at::Tensor msar_fuse_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
                              const OptTensor& partial, const OptTensor& partial_conv,
                              const OptTensor& w_pre, const OptTensor& b_pre, const OptTensor& alpha_pre,
-                             double eps);
+                             double eps, c10::OptionalIntArrayRef kernel_lengths);
 // Gradients of h → (out, ζ, queries, partial, partial_conv, w_pre, b_pre, alpha_pre); undefined for
 // absent inputs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& queries,
                    const OptTensor& partial, const OptTensor& partial_conv, const OptTensor& w_pre,
-                   const OptTensor& b_pre, const OptTensor& alpha_pre, double eps);
+                   const OptTensor& b_pre, const OptTensor& alpha_pre, double eps,
+                   c10::OptionalIntArrayRef kernel_lengths);
 
 }  // namespace depthkit::cpu

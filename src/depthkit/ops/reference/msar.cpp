@@ -7,9 +7,11 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/util/error.h"
 
 namespace depthkit::reference {
 
@@ -23,6 +25,17 @@ at::Tensor conv_stream(const at::Tensor& x, const at::Tensor& c) {
                             at::IntArrayRef{1}, d);
   return y.transpose(1, 2).narrow(1, 0, T);
 }
+
+// Banks conv [..., m − 1, d, K] with each kernel's padding (taps δ ≥ lengths[r]) zeroed, so that it
+// is neither read nor given a gradient (msar_ops.h).
+at::Tensor within_lengths(const at::Tensor& conv, c10::OptionalIntArrayRef lengths) {
+  if (!lengths.has_value() || !conv.defined()) return conv;
+  const int64_t L = conv.size(-3), K = conv.size(-1);
+  if (int64_t(lengths->size()) != L) fail("msar: kernel_lengths has ", lengths->size(), " entries, expected ", L);
+  at::Tensor mask = at::zeros({L, 1, K}, conv.options());
+  for (int64_t r = 0; r < L; ++r) mask[r][0].narrow(0, 0, (*lengths)[r]).fill_(1);
+  return conv * mask;
+}
 }  // namespace
 
 at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
@@ -32,11 +45,12 @@ at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
 }
 
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, const at::Tensor& sources_,
-                                             const at::Tensor& conv_, double eps) {
+                                             const at::Tensor& conv_, double eps,
+                                             c10::OptionalIntArrayRef kernel_lengths) {
   // As the fused kernel: the expansion and the reads in the accumulation dtype (the expanded
   // streams are never rounded to the sources' dtype), out stored in the sources' dtype, ζ not.
   const at::Tensor queries = widen(queries_, sources_), sources = widen(sources_, sources_),
-                   conv = widen(conv_, sources_);
+                   conv = widen(within_lengths(conv_, kernel_lengths), sources_);
   std::vector<at::Tensor> expanded;
   for (int64_t n = 0; n < sources.size(0); ++n) expanded.push_back(msar_expand(sources[n], conv[n]));
   at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
@@ -51,12 +65,13 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, const a
 
 at::Tensor msar_fuse(const at::Tensor& out_, const at::Tensor& log_partition_, const at::Tensor& queries_,
                      const at::Tensor& partial_, const at::Tensor& partial_conv_, const at::Tensor& w_pre_,
-                     const at::Tensor& b_pre_, const at::Tensor& alpha_pre_, double eps) {
+                     const at::Tensor& b_pre_, const at::Tensor& alpha_pre_, double eps,
+                     c10::OptionalIntArrayRef kernel_lengths) {
   // As the fused kernel: the merge, H_pre and the fusion in the accumulation dtype, h stored in
   // out's dtype.
   const at::Tensor out = widen(out_, out_), log_partition = widen(log_partition_, out_),
                    queries = widen(queries_, out_), partial = widen(partial_, out_),
-                   partial_conv = widen(partial_conv_, out_), w_pre = widen(w_pre_, out_), b_pre = widen(b_pre_, out_),
+                   partial_conv = widen(within_lengths(partial_conv_, kernel_lengths), out_), w_pre = widen(w_pre_, out_), b_pre = widen(b_pre_, out_),
                    alpha_pre = widen(alpha_pre_, out_);
   at::Tensor part = partial.defined() ? msar_expand(partial, partial_conv) : at::Tensor();
   std::vector<at::Tensor> z;
