@@ -46,8 +46,10 @@ def cases(gen):
         return torch.randn(*shape, generator=gen)
     N, P, d, M = 5, 37, 67, 3
     ops = torch.ops.depthkit
-    yield "depth_read", lambda q, k, v: ops.depth_read(q, k, v, EPS), [r(M, d), r(N, P, d), r(N, P, d)]
-    yield "depth_read (values = keys)", lambda q, k: ops.depth_read(q, k, None, EPS), [r(M, d), r(N, P, d)]
+    # depth_read takes its sources as lists (one tensor per history entry).
+    yield "depth_read", lambda q, *kv: ops.depth_read(q, kv[:N], kv[N:], EPS), \
+        [r(M, d)] + [r(P, d) for _ in range(2 * N)]
+    yield "depth_read (values = keys)", lambda q, *k: ops.depth_read(q, k, [], EPS), [r(M, d)] + [r(P, d) for _ in range(N)]
     yield "depth_merge", lambda o, l, q, k, v: ops.depth_merge(o, l, q, k, v, EPS), \
         [r(P, d), r(P), r(d), r(P, d), r(P, d)]
     yield "depth_merge (value = key)", lambda o, l, q, k: ops.depth_merge(o, l, q, k, None, EPS), \
@@ -110,7 +112,8 @@ def bandwidth():
             k = torch.randn(N, P, d, device="cuda", dtype=dtype)
             q = torch.randn(1, d, device="cuda", dtype=dtype)
             dst = torch.empty_like(k)
-            t_read = median_ms(lambda: torch.ops.depthkit.depth_read(q, k, None, EPS))
+            sources = list(k)
+            t_read = median_ms(lambda: torch.ops.depthkit.depth_read(q, sources, [], EPS))
             t_copy = median_ms(lambda: dst.copy_(k))
             moved = k.numel() * k.element_size() + P * d * k.element_size() + P * 4
             read_gbs = moved / t_read / 1e6

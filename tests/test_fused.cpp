@@ -4,6 +4,7 @@
 // And every fused operator's outputs and gradients bit for bit the same on 1, 2 and 3 threads.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
@@ -32,7 +33,7 @@ const Shape kShapes[] = {{1, 1, 1, 1}, {1, 1, 5, 7}, {3, 4, 1, 9}, {2, 5, 6, 7},
 
 // Reference: reference::depth_read, each target's read composed of ATen ops (autograd gives the backward).
 std::tuple<at::Tensor, at::Tensor> reference_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return reference::depth_read(q, k, v, kKeyNormEps);
+  return reference::depth_read(q, k.unbind(0), v.unbind(0), kKeyNormEps);
 }
 
 void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
@@ -41,9 +42,9 @@ void compare_read(const Shape& s, at::ScalarType dtype, double rtol) {
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.M, s.d}, g, opt) * 1.5, at::randn({s.N, s.P, s.d}, g, opt),
                                 at::randn({s.N, s.P, s.d}, g, opt)};
-  auto read = [](auto op) {
+  auto read = [](auto op) {  // the sources as the list the operators take
     return [op](const std::vector<at::Tensor>& t) {
-      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps);
+      auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
       return std::vector<at::Tensor>{out, lse};
     };
   };
@@ -58,15 +59,23 @@ void compare_merge(int64_t N, int64_t P, int64_t d, at::ScalarType dtype, double
   std::vector<at::Tensor> in = {at::randn({d}, g, opt) * 1.5, at::randn({N, P, d}, g, opt),
                                 at::randn({N, P, d}, g, opt), at::randn({P, d}, g, opt), at::randn({P, d}, g, opt)};
   auto fused_merge = [](const std::vector<at::Tensor>& t) {
-    auto [out, lse] = fused::depth_read(t[0].unsqueeze(0), t[1], t[2], kKeyNormEps);
+    auto [out, lse] = fused::depth_read(t[0].unsqueeze(0), t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
     return std::vector<at::Tensor>{fused::depth_merge(out[0], lse[0], t[0], t[3], t[4], kKeyNormEps)};
+  };
+  // The partial as the last source of the list (AttnRes's read): the same softmax.
+  auto last_candidate = [](const std::vector<at::Tensor>& t) {
+    std::vector<at::Tensor> keys = t[1].unbind(0), values = t[2].unbind(0);
+    keys.push_back(t[3]);
+    values.push_back(t[4]);
+    return std::vector<at::Tensor>{std::get<0>(fused::depth_read(t[0].unsqueeze(0), keys, values, kKeyNormEps))[0]};
   };
   auto one_softmax = [](const std::vector<at::Tensor>& t) {
     return std::vector<at::Tensor>{
         depth_read(t[0], at::cat({t[1], t[3].unsqueeze(0)}), at::cat({t[2], t[4].unsqueeze(0)})).out};
   };
-  compare(in, fused_merge, one_softmax, rtol, {"merged"}, {"query", "keys", "values", "key_part", "value_part"},
-          P * 10 + d + 1);
+  const std::vector<std::string> names = {"query", "keys", "values", "key_part", "value_part"};
+  compare(in, fused_merge, one_softmax, rtol, {"merged"}, names, P * 10 + d + 1);
+  compare(in, last_candidate, one_softmax, rtol, {"merged"}, names, P * 10 + d + 2);
 }
 
 }  // namespace
@@ -119,7 +128,7 @@ TEST(FusedDepthRead, SharedValuesEqualReference) {
     at::Tensor part = at::randn({7, 9}, g, opt).requires_grad_();
     at::Tensor q2 = q.detach().clone().requires_grad_(), src2 = src.detach().clone().requires_grad_(),
                part2 = part.detach().clone().requires_grad_();
-    auto [out, lse] = fused::depth_read(q, src, at::Tensor(), kKeyNormEps);
+    auto [out, lse] = fused::depth_read(q, src.unbind(0), {}, kKeyNormEps);
     at::Tensor h = fused::depth_merge(out[1], lse[1], q[1], part, at::Tensor(), kKeyNormEps);
     auto [ref_out, ref_lse] = reference_read(q2, src2, src2);
     at::Tensor ref_h = depth_read(q2[1], at::cat({src2, part2.unsqueeze(0)}), at::cat({src2, part2.unsqueeze(0)})).out;
@@ -143,9 +152,9 @@ TEST(FusedDepthRead, GradcheckFloat64) {
   at::Tensor w = at::randn({4, 5}, g, opt);
   std::vector<at::Tensor> inputs = {q, k, v, kp, vp};
   auto f = [&](const std::vector<at::Tensor>& in) {
-    auto [out, lse] = fused::depth_read(in[0], in[1], in[2], kKeyNormEps);
+    auto [out, lse] = fused::depth_read(in[0], in[1].unbind(0), in[2].unbind(0), kKeyNormEps);
     at::Tensor h = fused::depth_merge(out[1], lse[1], in[0][1], in[3], in[4], kKeyNormEps);
-    auto [shared_out, shared_lse] = fused::depth_read(in[0], in[1], at::Tensor(), kKeyNormEps);  // values = keys
+    auto [shared_out, shared_lse] = fused::depth_read(in[0], in[1].unbind(0), {}, kKeyNormEps);  // values = keys
     at::Tensor shared_h = fused::depth_merge(shared_out[0], shared_lse[0], in[0][0], in[3], at::Tensor(), kKeyNormEps);
     return (h * w).sum() + (out[0] * w).sum() + lse.sum() + (shared_h * w).sum() + (shared_out[1] * w).sum() +
            shared_lse.sum();
@@ -156,7 +165,8 @@ TEST(FusedDepthRead, GradcheckFloat64) {
 TEST(FusedDepthRead, BFloat16WithinItsPrecision) {
   auto g = generator(12);
   at::Tensor q = at::randn({2, 64}, g), k = at::randn({6, 32, 64}, g), v = at::randn({6, 32, 64}, g);
-  auto [out, lse] = fused::depth_read(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), kKeyNormEps);
+  auto [out, lse] = fused::depth_read(q.to(at::kBFloat16), k.to(at::kBFloat16).unbind(0), v.to(at::kBFloat16).unbind(0),
+                                      kKeyNormEps);
   auto [ref_out, ref_lse] = reference_read(q.to(at::kBFloat16).to(at::kFloat), k.to(at::kBFloat16).to(at::kFloat),
                                            v.to(at::kBFloat16).to(at::kFloat));
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
@@ -165,9 +175,33 @@ TEST(FusedDepthRead, BFloat16WithinItsPrecision) {
 }
 
 TEST(FusedDepthRead, BadShapesAreClearErrors) {
-  at::Tensor q = at::zeros({2, 4}), k = at::zeros({3, 5, 4});
-  expect_error([&] { fused::depth_read(q, k, at::zeros({3, 5, 3}), kKeyNormEps); }, {"depth_read", "differ"});
+  at::Tensor q = at::zeros({2, 4});
+  const std::vector<at::Tensor> k = at::zeros({3, 5, 4}).unbind(0);
+  expect_error([&] { fused::depth_read(q, k, at::zeros({3, 5, 3}).unbind(0), kKeyNormEps); },
+               {"depth_read", "key/value 0", "[5, 3]"});
+  expect_error([&] { fused::depth_read(q, k, at::zeros({2, 5, 4}).unbind(0), kKeyNormEps); },
+               {"depth_read", "3 keys and 2 values"});
   expect_error([&] { fused::depth_read(at::zeros({2, 3}), k, k, kKeyNormEps); }, {"depth_read", "d = 3"});
+  expect_error([&] { fused::depth_read(q, {}, {}, kKeyNormEps); }, {"depth_read", "at least one source"});
+}
+
+// The history is a list: each source's gradient is a tensor of its own (not a slice of one stack),
+// which autograd can add to in place over the reads that take the source.
+TEST(FusedDepthRead, EachSourceGetsItsOwnGradient) {
+  auto g = generator(13);
+  at::Tensor q = at::randn({2, 8}, g);
+  const std::vector<at::Tensor> k = at::randn({3, 5, 8}, g).unbind(0), v = at::randn({3, 5, 8}, g).unbind(0);
+  auto [out, lse] = fused::depth_read(q, k, v, kKeyNormEps);
+  for (const auto& values : {v, std::vector<at::Tensor>()}) {
+    auto [gq, gk, gv] = cpu::depth_read_backward(at::ones_like(out), at::ones_like(lse), q, k, values, lse, kKeyNormEps);
+    ASSERT_EQ(gk.size(), 3u);
+    ASSERT_EQ(gv.size(), values.size());
+    for (const auto* grads : {&gk, &gv})
+      for (const at::Tensor& t : *grads) {
+        EXPECT_FALSE(t.is_view());
+        EXPECT_EQ(t.storage().use_count(), 1);
+      }
+  }
 }
 
 // ---- Thread count ----------------------------------------------------------------------------
@@ -221,7 +255,7 @@ TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
   expect_thread_independent(
       "depth_read",
       [&](const std::vector<at::Tensor>& t) {
-        auto [out, lse] = fused::depth_read(t[0], t[1], t[2], kKeyNormEps);
+        auto [out, lse] = fused::depth_read(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
         return std::vector<at::Tensor>{out, lse};
       },
       {randn({2, d}), randn({N, P, d}), randn({N, P, d})});
@@ -235,7 +269,8 @@ TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
       "dar_read",
       [&](const std::vector<at::Tensor>& t) {
         fused::DarRead r =
-            fused::dar_read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
+            fused::dar_read(t[0], t[1].unbind(0), t[2].unbind(0), t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1},
+                            kKeyNormEps);
         return std::vector<at::Tensor>{r.h, r.beta};
       },
       {randn({2, d}), randn({N, P, d}), randn({N, P, d}), randn({P, d}), randn({P, d}), randn({2, 2 * d}, 0.1),

@@ -172,8 +172,8 @@ TEST(Precision, ReferenceCompositionsComputeInFloat32ForBFloat16) {
   };
   const int64_t N = 3, P = 40, d = 32;
   at::Tensor q = bf({2, d}), k = bf({N, P, d}), part = bf({P, d});
-  auto [out, lse] = reference::depth_read(q, k, at::Tensor(), kKeyNormEps);
-  auto [f_out, f_lse] = fused::depth_read(q, k, at::Tensor(), kKeyNormEps);
+  auto [out, lse] = reference::depth_read(q, k.unbind(0), {}, kKeyNormEps);
+  auto [f_out, f_lse] = fused::depth_read(q, k.unbind(0), {}, kKeyNormEps);
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
   EXPECT_EQ(lse.scalar_type(), at::kFloat);
   near(out, f_out, 2 * kBf16Unit, "depth_read out");
@@ -182,8 +182,9 @@ TEST(Precision, ReferenceCompositionsComputeInFloat32ForBFloat16) {
        fused::depth_merge(f_out[0], f_lse[0], q[0], part, at::Tensor(), kKeyNormEps), 2 * kBf16Unit, "depth_merge");
 
   at::Tensor h1 = bf({N, P, d}), part1 = bf({P, d}), w = bf({2, 2 * d}, 0.2), b = bf({2}, 0.2);
-  fused::DarRead r = reference::dar_read(q, k, h1, part, part1, w, b, w, b, {1, 0}, {0, 1}, kKeyNormEps);
-  fused::DarRead f = fused::dar_read(q, k, h1, part, part1, w, b, w, b, {1, 0}, {0, 1}, kKeyNormEps);
+  fused::DarRead r =
+      reference::dar_read(q, k.unbind(0), h1.unbind(0), part, part1, w, b, w, b, {1, 0}, {0, 1}, kKeyNormEps);
+  fused::DarRead f = fused::dar_read(q, k.unbind(0), h1.unbind(0), part, part1, w, b, w, b, {1, 0}, {0, 1}, kKeyNormEps);
   EXPECT_EQ(r.h.scalar_type(), at::kBFloat16);
   EXPECT_EQ(r.beta.scalar_type(), at::kBFloat16);
   near(r.h, f.h, 2 * kBf16Unit, "dar_read h");
@@ -264,12 +265,12 @@ TEST(KernelChoice, AMissingKernelRunsTheReferenceAndSaysSoOnce) {
 TEST(KernelChoice, PathwaysChooseByTheModelsDevice) {
   const std::map<std::string, std::vector<std::string>> expected = {
       {"residual", {}},
-      {"attnres", {"depth_merge", "depth_read"}},
-      {"attnres_sepv", {"depth_merge", "depth_read"}},
+      {"attnres", {"depth_read"}},
+      {"attnres_sepv", {"depth_read"}},
       {"dar", {"dar_read", "dar_write", "depth_read"}},
       {"msar", {"msar_fuse", "msar_read"}},
       {"mhc", {"mhc_merge", "mhc_pre", "mhc_sinkhorn"}},
-      {"attnres_mhc", {"depth_merge", "depth_read", "mhc_merge", "mhc_pre", "mhc_sinkhorn"}}};
+      {"attnres_mhc", {"depth_read", "mhc_merge", "mhc_pre", "mhc_sinkhorn"}}};
   for (const auto& [kind, ops] : expected) {
     SCOPED_TRACE(kind);
     Config c = Config::parse(small_config("unused").to_toml(), "small", {"residual.kind=" + kind});

@@ -58,9 +58,10 @@ def main():
     M, N, P, d = 2, 3, 5, 7
 
     q, k, v = torch.randn(M, d, **f64), torch.randn(N, P, d, **f64), torch.randn(N, P, d, **f64)
-    check("depth_read", ops.depth_read(q, k, v, EPS), depth_read(q, k, v), 1e-10)
-    check("depth_read, values = keys", ops.depth_read(q, k, None, EPS), depth_read(q, k, k), 1e-10)
-    out, lse = ops.depth_read(q[:1], k, v, EPS)
+    # The sources are lists, one tensor per history entry.
+    check("depth_read", ops.depth_read(q, list(k), list(v), EPS), depth_read(q, k, v), 1e-10)
+    check("depth_read, values = keys", ops.depth_read(q, list(k), [], EPS), depth_read(q, k, k), 1e-10)
+    out, lse = ops.depth_read(q[:1], list(k), list(v), EPS)
     kp, vp = torch.randn(P, d, **f64), torch.randn(P, d, **f64)
     merged = ops.depth_merge(out[0], lse[0], q[0], kp, vp, EPS)
     check("depth_merge", [merged], [depth_read(q[:1], torch.cat([k, kp[None]]), torch.cat([v, vp[None]]))[0][0]], 1e-10)
@@ -70,7 +71,7 @@ def main():
     h0, h1, p0, p1 = torch.randn(N, P, d, **f64), torch.randn(N, P, d, **f64), kp, vp
     for key, value in [([1, 0], [0, 1]), ([0, 1], [0, 1]), ([0, 1], [1, 0]), ([0, 0], [1, 1])]:
         for part in [(None, None), (p0, p1)]:
-            h, beta, _ = ops.dar_read(q, h0, h1, *part, *gates, key, value, EPS)
+            h, beta, _ = ops.dar_read(q, list(h0), list(h1), *part, *gates, key, value, EPS)
             check(f"dar_read key {key} value {value} partial {part[0] is not None}", [h, beta],
                   dar_read(q, h0, h1, *part, *gates, key, value), 1e-10)
     f, beta = torch.randn(P, d, **f64), torch.rand(P, 2, **f64) * 2
@@ -84,12 +85,12 @@ def main():
         return [t.clone().requires_grad_() for t in ts]
 
     gradchecks = {
-        "depth_read": (lambda q, k, v: ops.depth_read(q, k, v, EPS), leaves(q, k, v)),
-        "depth_read, values = keys": (lambda q, k: ops.depth_read(q, k, None, EPS), leaves(q, k)),
+        "depth_read": (lambda q, *kv: ops.depth_read(q, kv[:N], kv[N:], EPS), leaves(q, *k, *v)),
+        "depth_read, values = keys": (lambda q, *k: ops.depth_read(q, k, [], EPS), leaves(q, *k)),
         "depth_merge": (lambda o, l, q, kp, vp: ops.depth_merge(o, l, q, kp, vp, EPS),
                         leaves(out[0], lse[0], q[0], kp, vp)),
-        "dar_read": (lambda *t: ops.dar_read(*t[:3], t[3], t[4], *t[5:], [1, 0], [0, 1], EPS)[:2],
-                     leaves(q, h0, h1, p0, p1, *gates)),
+        "dar_read": (lambda q, *t: ops.dar_read(q, t[:N], t[N:2 * N], *t[2 * N:], [1, 0], [0, 1], EPS)[:2],
+                     leaves(q, *h0, *h1, p0, p1, *gates)),
         "dar_write": (lambda *t: ops.dar_write(*t, EPS), leaves(f, beta, p0, p1, w_rho, b_rho)),
     }
     for name, (fn, inputs) in gradchecks.items():
@@ -98,10 +99,10 @@ def main():
         print(f"ok   gradcheck {name}")
 
     # float32 in, float32 out; bad shapes are one clear error.
-    out32, _ = ops.depth_read(q.float(), k.float(), None, EPS)
+    out32, _ = ops.depth_read(q.float(), list(k.float()), [], EPS)
     assert out32.dtype == torch.float32
     try:
-        ops.depth_read(q, k, v[:, :, :3], EPS)
+        ops.depth_read(q, list(k), list(v[:, :, :3]), EPS)
         sys.exit("FAIL: mismatched values accepted")
     except RuntimeError as e:
         assert "depth_read" in str(e), e

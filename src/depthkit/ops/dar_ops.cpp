@@ -1,7 +1,7 @@
 // DAR's fused operators: schemas, CPU kernels (ops/cpu/dar_cpu.cpp) and Autograd kernels whose
 // backward is the hand-written backward operator.
 //
-//   depthkit::dar_read(Tensor queries, Tensor h0, Tensor h1, Tensor? p0, Tensor? p1, Tensor w_alpha,
+//   depthkit::dar_read(Tensor queries, Tensor[] h0, Tensor[] h1, Tensor? p0, Tensor? p1, Tensor w_alpha,
 //                      Tensor b_alpha, Tensor w_beta, Tensor b_beta, int[] key_stream,
 //                      int[] value_stream, float eps) -> (Tensor h, Tensor beta, Tensor log_partition)
 //   depthkit::dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho,
@@ -24,10 +24,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using ReadSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+    const at::Tensor&, at::TensorList, at::TensorList, const OptTensor&, const OptTensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double);
-using ReadBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+using ReadBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList,
+                                            at::TensorList, const OptTensor&, const OptTensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                             const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double);
 using WriteSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -41,7 +41,7 @@ using WriteBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&,
 
 class DarReadFunction : public torch::autograd::Function<DarReadFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, at::TensorList h0, at::TensorList h1,
                                const OptTensor& p0, const OptTensor& p1, const at::Tensor& wa, const at::Tensor& ba,
                                const at::Tensor& wb, const at::Tensor& bb, at::IntArrayRef key, at::IntArrayRef value,
                                double eps) {
@@ -49,7 +49,10 @@ class DarReadFunction : public torch::autograd::Function<DarReadFunction> {
     static auto read = op<ReadSig>("depthkit::dar_read");
     auto [h, beta, lse] = read.call(q, h0, h1, p0, p1, wa, ba, wb, bb, key, value, eps);
     // The inputs and ζ only: normalised keys, weights and the retrieved states are recomputed.
-    ctx->save_for_backward({q, h0, h1, unwrap(p0), unwrap(p1), wa, ba, wb, bb, lse});
+    variable_list saved = {q, unwrap(p0), unwrap(p1), wa, ba, wb, bb, lse};
+    saved.insert(saved.end(), h0.begin(), h0.end());
+    saved.insert(saved.end(), h1.begin(), h1.end());
+    ctx->save_for_backward(saved);
     ctx->saved_data["key"] = key.vec();
     ctx->saved_data["value"] = value.vec();
     ctx->saved_data["eps"] = eps;
@@ -59,10 +62,18 @@ class DarReadFunction : public torch::autograd::Function<DarReadFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::dar_read_backward");
     auto s = ctx->get_saved_variables();
+    const int64_t N = (int64_t(s.size()) - 8) / 2;
+    const at::TensorList h0 = at::TensorList(s).slice(8, N), h1 = at::TensorList(s).slice(8 + N, N);
     auto key = ctx->saved_data["key"].toIntVector(), value = ctx->saved_data["value"].toIntVector();
-    auto g = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], s[2], wrap(s[3]), wrap(s[4]), s[5], s[6], s[7],
-                       s[8], s[9], key, value, ctx->saved_data["eps"].toDouble());
-    return {g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], at::Tensor(), at::Tensor(), at::Tensor()};
+    // [∂q, ∂p0, ∂p1, ∂W_α, ∂b_α, ∂W_β, ∂b_β, ∂h0 × N, ∂h1 × N] (cpu/dar_cpu.h)
+    auto g = back.call(wrap(grads[0]), wrap(grads[1]), s[0], h0, h1, wrap(s[1]), wrap(s[2]), s[3], s[4], s[5], s[6],
+                       s[7], key, value, ctx->saved_data["eps"].toDouble());
+    // One gradient per input of forward, in order.
+    variable_list out = {g[0]};
+    out.insert(out.end(), g.begin() + 7, g.end());
+    out.insert(out.end(), g.begin() + 1, g.begin() + 7);
+    out.insert(out.end(), 3, at::Tensor());  // key, value, eps
+    return out;
   }
 };
 
@@ -86,8 +97,8 @@ class DarWriteFunction : public torch::autograd::Function<DarWriteFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_autograd(const at::Tensor& q, const at::Tensor& h0,
-                                                                 const at::Tensor& h1, const OptTensor& p0,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_autograd(const at::Tensor& q, at::TensorList h0,
+                                                                 at::TensorList h1, const OptTensor& p0,
                                                                  const OptTensor& p1, const at::Tensor& wa,
                                                                  const at::Tensor& ba, const at::Tensor& wb,
                                                                  const at::Tensor& bb, at::IntArrayRef key,
@@ -106,9 +117,9 @@ std::tuple<at::Tensor, at::Tensor> dar_write_autograd(const at::Tensor& f, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
-  m.def("dar_read(Tensor queries, Tensor h0, Tensor h1, Tensor? p0, Tensor? p1, Tensor w_alpha, Tensor b_alpha, "
+  m.def("dar_read(Tensor queries, Tensor[] h0, Tensor[] h1, Tensor? p0, Tensor? p1, Tensor w_alpha, Tensor b_alpha, "
         "Tensor w_beta, Tensor b_beta, int[] key_stream, int[] value_stream, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("dar_read_backward(Tensor? grad_h, Tensor? grad_beta, Tensor queries, Tensor h0, Tensor h1, Tensor? p0, "
+  m.def("dar_read_backward(Tensor? grad_h, Tensor? grad_beta, Tensor queries, Tensor[] h0, Tensor[] h1, Tensor? p0, "
         "Tensor? p1, Tensor w_alpha, Tensor b_alpha, Tensor w_beta, Tensor b_beta, Tensor log_partition, "
         "int[] key_stream, int[] value_stream, float eps) -> Tensor[]");
   m.def("dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho, float eps) "
@@ -131,7 +142,7 @@ TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
 
 namespace fused {
 
-DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+DarRead dar_read(const at::Tensor& queries, at::TensorList h0, at::TensorList h1, const at::Tensor& p0,
                  const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
                  const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
                  const std::array<int64_t, 2>& value_stream, double eps) {

@@ -16,10 +16,11 @@ struct DarRead {
   at::Tensor log_partition;  // [2, P]: ζ of each stream's read (no gradient)
 };
 
-// Both streams' reads of the completed history h0, h1 [N, P, d] and, when defined, the block's
-// partial p0, p1 [P, d], with the gates: queries [2, d], w_alpha, w_beta [2, 2d], b_alpha,
-// b_beta [2]. Output stream j takes keys from stream key_stream[j], values from value_stream[j].
-DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+// Both streams' reads of the completed history h0, h1 (lists of N entries [P, d]: the sources are
+// never stacked, ops/fused.h) and, when defined, the block's partial p0, p1 [P, d], with the gates:
+// queries [2, d], w_alpha, w_beta [2, 2d], b_alpha, b_beta [2]. Output stream j takes keys from
+// stream key_stream[j], values from value_stream[j].
+DarRead dar_read(const at::Tensor& queries, at::TensorList h0, at::TensorList h1, const at::Tensor& p0,
                  const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
                  const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
                  const std::array<int64_t, 2>& value_stream, double eps);

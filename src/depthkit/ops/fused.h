@@ -12,10 +12,12 @@
 namespace depthkit::fused {
 
 // Completed-history read, all targets of a block at once (DAR eq. A.1–A.5):
-//   queries [M, d], keys [N, P, d] (raw: normalised on the fly, once per source and token for all
-//   M targets), values [N, P, d] or undefined (= the keys)  →  out [M, P, d], log_partition ζ [M, P].
-std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, const at::Tensor& keys,
-                                              const at::Tensor& values, double eps);
+//   queries [M, d], keys: N sources [P, d] (raw: normalised on the fly, once per source and token
+//   for all M targets), values: N sources [P, d] or none (= the keys)
+//   →  out [M, P, d], log_partition ζ [M, P].
+// The sources are a list, not a stack (schema.cpp): a block's partial sum may simply be the last.
+std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
+                                              double eps);
 
 // Online-softmax merge of a completed read with the block's partial candidate (eq. A.6–A.10):
 //   out [P, d], ζ [P], query [d], key_part [P, d] (raw), value_part [P, d] or undefined (= the key)

@@ -2,10 +2,13 @@
 // that route the backward to the hand-written backward operators. ops/cuda/depth_read_cuda.cu
 // registers CUDA kernels of depth_read and depth_merge (forward and backward) on the same schemas.
 //
-//   depthkit::depth_read(Tensor queries, Tensor keys, Tensor? values, float eps) -> (Tensor out, Tensor log_partition)
+//   depthkit::depth_read(Tensor queries, Tensor[] keys, Tensor[] values, float eps) -> (Tensor out, Tensor log_partition)
 //   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, float eps) -> Tensor
-// A missing value is the key itself (AttnRes: keys = values = sources): then the kernels write one
-// gradient instead of two that autograd would add.
+// The keys and values of depth_read are lists of sources, one tensor per history entry: a pathway
+// appends an entry without copying its history, and each source's gradient is a tensor of its
+// own, which autograd adds to in place over the reads that take it. Missing values (an empty list,
+// or value_part None) are the keys themselves (AttnRes: keys = values = sources): then the kernels
+// write one gradient instead of two that autograd would add.
 //   and their *_backward operators.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -22,10 +25,9 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, double);
-using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
-                                                                   const at::Tensor&, const OptTensor&, const at::Tensor&,
-                                                                   double);
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double);
+using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
+    const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, double);
 using MergeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                             double);
 using MergeBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
@@ -35,22 +37,34 @@ using MergeBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
 
 class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, at::TensorList k, at::TensorList v,
                                double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::depth_read");
     auto [out, lse] = read.call(q, k, v, eps);
     // Only the inputs and the log-partition are kept: normalised keys and weights are recomputed.
-    ctx->save_for_backward({q, k, unwrap(v), lse});
+    variable_list saved = {q};
+    saved.insert(saved.end(), k.begin(), k.end());
+    saved.insert(saved.end(), v.begin(), v.end());
+    saved.push_back(lse);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["keys"] = int64_t(k.size());
     ctx->saved_data["eps"] = eps;
     return {out, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::depth_read_backward");
     auto s = ctx->get_saved_variables();
-    auto [gq, gk, gv] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], wrap(s[2]), s[3],
+    const auto N = ctx->saved_data["keys"].toInt(), V = int64_t(s.size()) - 2 - N;
+    const at::TensorList keys = at::TensorList(s).slice(1, N), values = at::TensorList(s).slice(1 + N, V);
+    auto [gq, gk, gv] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], keys, values, s.back(),
                                   ctx->saved_data["eps"].toDouble());
-    return {gq, gk, gv, at::Tensor()};
+    // One gradient per input of forward, in order: the query, each key, each value, eps.
+    variable_list out = {gq};
+    out.insert(out.end(), gk.begin(), gk.end());
+    out.insert(out.end(), gv.begin(), gv.end());
+    out.emplace_back();
+    return out;
   }
 };
 
@@ -72,7 +86,7 @@ class DepthMergeFunction : public torch::autograd::Function<DepthMergeFunction> 
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> depth_read_autograd(const at::Tensor& q, const at::Tensor& k, const OptTensor& v,
+std::tuple<at::Tensor, at::Tensor> depth_read_autograd(const at::Tensor& q, at::TensorList k, at::TensorList v,
                                                        double eps) {
   auto r = DepthReadFunction::apply(q, k, v, eps);
   return {r[0], r[1]};
@@ -86,9 +100,9 @@ at::Tensor depth_merge_autograd(const at::Tensor& out, const at::Tensor& lse, co
 }  // namespace
 
 TORCH_LIBRARY(depthkit, m) {
-  m.def("depth_read(Tensor queries, Tensor keys, Tensor? values, float eps) -> (Tensor, Tensor)");
-  m.def("depth_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor keys, "
-        "Tensor? values, Tensor log_partition, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("depth_read(Tensor queries, Tensor[] keys, Tensor[] values, float eps) -> (Tensor, Tensor)");
+  m.def("depth_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] keys, "
+        "Tensor[] values, Tensor log_partition, float eps) -> (Tensor, Tensor[], Tensor[])");
   m.def("depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, "
         "float eps) -> Tensor");
   m.def("depth_merge_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor query, Tensor key_part, "
@@ -109,10 +123,10 @@ TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
 
 namespace fused {
 
-std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values,
+std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
                                               double eps) {
   static auto read = op<ReadSig>("depthkit::depth_read");
-  return read.call(queries, keys, wrap(values), eps);
+  return read.call(queries, keys, values, eps);
 }
 
 at::Tensor depth_merge(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& query,

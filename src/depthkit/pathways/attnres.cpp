@@ -2,7 +2,8 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/ones_like.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/stack.h>
 
 #include "depthkit/model/parameters.h"
 #include "depthkit/model/precision.h"
@@ -15,10 +16,14 @@ namespace depthkit {
 
 namespace {
 struct History final : PathwayState {
-  StackedHistory completed;  // [B, T, d] each: embedding, then completed block summaries
-  StackedHistory values;     // their values: the same tensors, or W_{v,r}·source (SepV),
-                             // mapped once when the source is appended
-  at::Tensor partial;                 // sum of the current block's outputs; undefined at block start
+  // The sources as the read takes them, a list of [B·T, d] (views of [B, T, d]): the embedding,
+  // then the completed block summaries. Appending one copies nothing (depth_read, ops/fused.h).
+  std::vector<at::Tensor> completed;
+  std::vector<at::Tensor> values;  // SepV: W_{v,r}·source, mapped once when appended; else empty
+  at::Tensor partial;              // sum of the current block's outputs [B, T, d]; undefined at block start
+  int64_t B = 0, T = 0, d = 0;
+  at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
+  at::Tensor stacked() const { return at::stack(completed).view({-1, B, T, d}); }  // for the observer
 };
 History& history(PathwayState& s) { return static_cast<History&>(s); }
 }  // namespace
@@ -26,7 +31,7 @@ History& history(PathwayState& s) { return static_cast<History&>(s); }
 AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params,
                  const std::string& prefix)
     : schedule_{residual.block_sublayers, model.n_branches(), residual.share_within_block},
-      query_(schedule_.branches + 1), ops_(residual.impl, params.device().type(), {"depth_read", "depth_merge"}) {
+      query_(schedule_.branches + 1), ops_(residual.impl, params.device().type(), {"depth_read"}) {
   // Branch 1 has one candidate and no query; a shared query is named after its owner branch.
   for (int64_t l = 2; l <= schedule_.branches; ++l) {
     const int64_t o = schedule_.owner(l);
@@ -44,8 +49,9 @@ AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, Param
 
 std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<History>();
-  s->completed.push(embedding);
-  s->values.push(value(0, embedding));
+  s->B = embedding.size(0), s->T = embedding.size(1), s->d = embedding.size(2);
+  s->completed.push_back(s->flat(embedding));
+  if (!value_maps_.empty()) s->values.push_back(s->flat(value(0, embedding)));
   return s;
 }
 
@@ -54,51 +60,46 @@ at::Tensor AttnRes::value(size_t r, const at::Tensor& source) const {
   return value_maps_.empty() ? source : at::linear(source, cast_like(value_maps_[r], source));
 }
 
-at::Tensor AttnRes::read_sources(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& vals,
-                                 const at::Tensor& key_part, const at::Tensor& value_part) const {
-  // vals / value_part undefined: the values are the keys (no SepV maps).
+at::Tensor AttnRes::read_sources(const at::Tensor& q, at::TensorList keys, at::TensorList values, int64_t B,
+                                 int64_t T) const {
   auto read = ops_.fused("depth_read") ? fused::depth_read : reference::depth_read;
-  auto merge = ops_.fused("depth_merge") ? fused::depth_merge : reference::depth_merge;
-  const at::Tensor query = cast_like(q, keys);  // the operators take one dtype: the activations'
-  const int64_t N = keys.size(0), B = keys.size(1), T = keys.size(2), d = keys.size(3);
-  auto flat = [&](const at::Tensor& x, at::IntArrayRef shape) { return x.defined() ? x.reshape(shape) : x; };
-  auto [out, lse] = read(query.unsqueeze(0), keys.reshape({N, B * T, d}), flat(vals, {N, B * T, d}), kKeyNormEps);
-  at::Tensor h = key_part.defined()
-                     ? merge(out[0], lse[0], query, key_part.reshape({B * T, d}), flat(value_part, {B * T, d}), kKeyNormEps)
-                     : out[0];
-  return h.view({B, T, d});
+  const at::Tensor query = cast_like(q, keys[0]);  // the operators take one dtype: the activations'
+  return std::get<0>(read(query.unsqueeze(0), keys, values, kKeyNormEps))[0].view({B, T, -1});
 }
 
 at::Tensor AttnRes::read(PathwayState& state, int64_t l) {
   History& s = history(state);
   const bool first_in_block = schedule_.opens(l);
-  if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
-    if (observer_) observer_->on_retrieval(l, 0, at::ones_like(s.completed.entries()[0].select(-1, 0)).unsqueeze(-1), false);
-    return s.values.entries()[0];
-  }
-  const at::Tensor& keys = s.completed.stacked();
-  if (observer_) observer_->on_retrieval(l, 0, depth_weights(query_[l], keys, s.partial), s.partial.defined());
   const bool sepv = !value_maps_.empty();
-  at::Tensor vals = sepv ? s.values.stacked() : at::Tensor();
-  if (first_in_block) return read_sources(query_[l], keys, vals, {}, {});  // eq. 9, i = 1: completed only
-  // The partial is valued with the map of the source index it will take.
-  return read_sources(query_[l], keys, vals, s.partial, sepv ? value(s.completed.size(), s.partial) : at::Tensor());
+  if (first_in_block && s.completed.size() == 1) {  // one candidate (branch 1): its weight is 1
+    if (observer_) observer_->on_retrieval(l, 0, at::ones({s.B, s.T, 1}, s.completed[0].options()), false);
+    return (sepv ? s.values[0] : s.completed[0]).view({s.B, s.T, s.d});
+  }
+  if (observer_) observer_->on_retrieval(l, 0, depth_weights(query_[l], s.stacked(), s.partial), s.partial.defined());
+  if (first_in_block) return read_sources(query_[l], s.completed, s.values, s.B, s.T);  // eq. 9, i = 1: completed only
+  // The block's partial is the last candidate of one softmax over N + 1 (eq. 9; the two-phase
+  // form's online-softmax merge, A.6–A.10, computes the same), valued with the map of the source
+  // index it will take.
+  std::vector<at::Tensor> keys = s.completed, values = s.values;
+  keys.push_back(s.flat(s.partial));
+  if (sepv) values.push_back(s.flat(value(s.completed.size(), s.partial)));
+  return read_sources(query_[l], keys, values, s.B, s.T);
 }
 
 void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
   s.partial = schedule_.opens(l) ? out : s.partial + out;
   if (schedule_.closes(l)) {  // block boundary (the last block may be shorter)
-    s.values.push(value(s.completed.size(), s.partial));
-    s.completed.push(s.partial);
+    if (!value_maps_.empty()) s.values.push_back(s.flat(value(s.completed.size(), s.partial)));
+    s.completed.push_back(s.flat(s.partial));
     s.partial = at::Tensor();
   }
 }
 
 at::Tensor AttnRes::finish(PathwayState& state) {
   History& s = history(state);
-  if (observer_) observer_->on_retrieval(schedule_.branches + 1, 0, depth_weights(out_query_, s.completed.stacked(), {}), false);
-  return read_sources(out_query_, s.completed.stacked(), value_maps_.empty() ? at::Tensor() : s.values.stacked(), {}, {});
+  if (observer_) observer_->on_retrieval(schedule_.branches + 1, 0, depth_weights(out_query_, s.stacked(), {}), false);
+  return read_sources(out_query_, s.completed, s.values, s.B, s.T);
 }
 
 // ---- Registry entries (registry.h) --------------------------------------------------------------

@@ -3,9 +3,11 @@
 // Sources: the token embedding (source 0), then one entry per completed block: with S = 1 each
 // branch output (Full AttnRes, eq. 4), with S > 1 the sum of the block's branch outputs. Branch ℓ,
 // the i-th of its block, reads the completed sources by depth attention with its own pseudo-query
-// q_ℓ (keys = values = sources); for i > 1 the block's partial sum is one more candidate, merged
-// by online softmax (two-phase form). The last block may be shorter. The final hidden state is
-// read from all completed sources by a learned output query.
+// q_ℓ (keys = values = sources); for i > 1 the block's partial sum is one more candidate, the last
+// of the same read: the sources are a list, so adding it copies nothing. (The two-phase form,
+// which merges it into a read shared by the block by online softmax, depth_merge, computes the
+// same.) The last block may be shorter. The final hidden state is read from all completed sources
+// by a learned output query.
 //
 // Parameters: one query [d] per branch that has more than one candidate (every branch but the
 // first, which can only see the embedding) and the output query: L_b · d. All start at zero
@@ -39,11 +41,11 @@ class AttnRes final : public ResidualPathway {
   std::vector<at::Tensor> query_;  // [L_b + 1]; query_[ℓ] for ℓ ≥ 2, query_[0], query_[1] unused
   at::Tensor out_query_;
   std::vector<at::Tensor> value_maps_;  // attnres_sepv: [d, d] per source index; empty otherwise
-  OperatorChoice ops_;                  // depth_read, depth_merge: fused or reference
+  OperatorChoice ops_;                  // depth_read: fused or reference
   at::Tensor value(size_t r, const at::Tensor& source) const;  // the value of source index r
-  // One read over stacked keys/values [N, B, T, d], merged with the partial when given.
-  at::Tensor read_sources(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                          const at::Tensor& key_part, const at::Tensor& value_part) const;
+  // One read of the sources [B·T, d] (values: none, the keys themselves; or one per key) → [B, T, d].
+  at::Tensor read_sources(const at::Tensor& query, at::TensorList keys, at::TensorList values, int64_t B,
+                          int64_t T) const;
 };
 
 }  // namespace depthkit

@@ -18,10 +18,15 @@ namespace depthkit {
 
 namespace {
 
+// Everything is kept flat, [B·T, d] (P = B·T rows), as the operators take it.
 struct DualHistory final : PathwayState {
-  StackedHistory h0, h1;  // completed entries H_r⁰, H_r¹, [B, T, d] each
+  std::vector<at::Tensor> h0, h1;  // completed entries H_r⁰, H_r¹: lists, never stacked (dar_ops.h)
   at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
   at::Tensor beta;                 // β_ℓ of the last read, [B·T, 2], used by its write
+  int64_t B = 0, T = 0, d = 0;
+  at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
+  at::Tensor shaped(const at::Tensor& x) const { return x.view({B, T, d}); }
+  at::Tensor stacked(int stream) const { return at::stack(stream == 0 ? h0 : h1).view({-1, B, T, d}); }
 };
 DualHistory& dual(PathwayState& s) { return static_cast<DualHistory&>(s); }
 
@@ -70,50 +75,43 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
 
 std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<DualHistory>();
-  s->h0.push(embedding);  // H_0 = [e, e]
-  s->h1.push(embedding);
+  s->B = embedding.size(0), s->T = embedding.size(1), s->d = embedding.size(2);
+  s->h0.push_back(s->flat(embedding));  // H_0 = [e, e]
+  s->h1.push_back(s->h0.back());
   return s;
 }
 
 at::Tensor Dar::read(PathwayState& state, int64_t l) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
-  const at::Tensor& e = s.h0.entries()[0];
-  const int64_t N = int64_t(s.h0.size()), B = e.size(0), T = e.size(1), d = e.size(2);
-  auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
   auto [k0, v0] = route(routing_, 0);
   auto [k1, v1] = route(routing_, 1);
-  // eq. 10–15: both streams' reads (the partial merged by online softmax) and the gates.
+  // eq. 10–15: both streams' reads (the partial the last candidate) and the gates.
   // The parameters in the activations' dtype: the operators take one dtype.
   auto read = ops_.fused("dar_read") ? fused::dar_read : reference::dar_read;
-  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, e); };
-  fused::DarRead r = read(in_dtype(at::stack({b.q0, b.q1})), s.h0.stacked().view({N, B * T, d}),
-                          s.h1.stacked().view({N, B * T, d}), flat(s.p0), flat(s.p1), in_dtype(b.w_alpha),
+  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, s.h0[0]); };
+  fused::DarRead r = read(in_dtype(at::stack({b.q0, b.q1})), s.h0, s.h1, s.p0, s.p1, in_dtype(b.w_alpha),
                           in_dtype(b.b_alpha), in_dtype(b.w_beta), in_dtype(b.b_beta), {k0, k1}, {v0, v1}, kKeyNormEps);
   s.beta = r.beta;
   if (observer_) {
     observe_read(state, l, b.q0, b.q1);
-    observer_->on_write_gates(l, r.beta.detach().view({B, T, 2}));
+    observer_->on_write_gates(l, r.beta.detach().view({s.B, s.T, 2}));
   }
-  return r.h.view({B, T, d});
+  return s.shaped(r.h);
 }
 
 void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   DualHistory& s = dual(state);
   const Branch& b = branch_[l];
-  const int64_t B = out.size(0), T = out.size(1), d = out.size(2);
-  auto flat = [&](const at::Tensor& x) { return x.defined() ? x.reshape({B * T, d}) : x; };
   // eq. 16–17: P^i = β ⊗ f(h) at block start, M(ρ) P^{i−1} + β ⊗ f(h) after.
   auto write = ops_.fused("dar_write") ? fused::dar_write : reference::dar_write;
   // A branch that opens its block has no transport (a shared set may still hold a gate).
   const bool transport = !schedule_.opens(l);
-  auto [p0, p1] = write(flat(out), s.beta, flat(s.p0), flat(s.p1), transport ? cast_like(b.w_rho, out) : at::Tensor(),
-                        transport ? cast_like(b.b_rho, out) : at::Tensor(), kKeyNormEps);
-  s.p0 = p0.view({B, T, d});
-  s.p1 = p1.view({B, T, d});
+  std::tie(s.p0, s.p1) = write(s.flat(out), s.beta, s.p0, s.p1, transport ? cast_like(b.w_rho, out) : at::Tensor(),
+                               transport ? cast_like(b.b_rho, out) : at::Tensor(), kKeyNormEps);
   if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
-    s.h0.push(s.p0);
-    s.h1.push(s.p1);
+    s.h0.push_back(s.p0);
+    s.h1.push_back(s.p1);
     s.p0 = s.p1 = at::Tensor();
   }
 }
@@ -121,42 +119,40 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
 at::Tensor Dar::finish(PathwayState& state) {
   DualHistory& s = dual(state);
   if (observer_) observe_read(state, schedule_.branches + 1, out_q0_, out_q1_);
-  const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
-  const int64_t N = completed[0].size(0), B = completed[0].size(1), T = completed[0].size(2), d = completed[0].size(3);
+  const std::vector<at::Tensor>* completed[2] = {&s.h0, &s.h1};
   auto read = ops_.fused("depth_read") ? fused::depth_read : reference::depth_read;
   at::Tensor out;  // h_out = h⁰_out + h¹_out: two reads of the completed history
   for (int j = 0; j < 2; ++j) {
     auto [k, v] = route(routing_, j);
-    const at::Tensor q = cast_like(j == 0 ? out_q0_ : out_q1_, completed[0]);
-    const at::Tensor keys = completed[k].view({N, B * T, d}), values = completed[v].view({N, B * T, d});
-    at::Tensor o = std::get<0>(read(q.unsqueeze(0), keys, values, kKeyNormEps))[0];
+    const at::Tensor q = cast_like(j == 0 ? out_q0_ : out_q1_, s.h0[0]);
+    at::Tensor o = std::get<0>(read(q.unsqueeze(0), *completed[k], *completed[v], kKeyNormEps))[0];
     out = j == 0 ? o : out + o;
   }
-  return out.view({B, T, d});
+  return s.shaped(out);
 }
 
 std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {
   DualHistory& s = dual(state);
-  if (s.p0.defined()) return {s.p0, s.p1};
-  return {s.h0.entries().back(), s.h1.entries().back()};
+  if (s.p0.defined()) return {s.shaped(s.p0), s.shaped(s.p1)};
+  return {s.shaped(s.h0.back()), s.shaped(s.h1.back())};
 }
 
 void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
   check_stream_count(states, 2, kind());
   DualHistory& s = dual(state);
   if (s.p0.defined()) {
-    s.p0 = states[0];
-    s.p1 = states[1];
+    s.p0 = s.flat(states[0]);
+    s.p1 = s.flat(states[1]);
   } else {  // at a block boundary: the entry the following reads take as the newest source
-    s.h0.replace_last(states[0]);
-    s.h1.replace_last(states[1]);
+    s.h0.back() = s.flat(states[0]);
+    s.h1.back() = s.flat(states[1]);
   }
 }
 
 void Dar::observe_read(PathwayState& state, int64_t l, const at::Tensor& q0, const at::Tensor& q1) const {
   DualHistory& s = dual(state);
-  const at::Tensor completed[2] = {s.h0.stacked(), s.h1.stacked()};
-  const at::Tensor partial[2] = {s.p0, s.p1};
+  const at::Tensor completed[2] = {s.stacked(0), s.stacked(1)};
+  const at::Tensor partial[2] = {s.p0.defined() ? s.shaped(s.p0) : s.p0, s.p1.defined() ? s.shaped(s.p1) : s.p1};
   for (int j = 0; j < 2; ++j) {
     const int k = route(routing_, j).first;  // the weights depend on the keys only
     observer_->on_retrieval(l, j, depth_weights(j == 0 ? q0 : q1, completed[k], partial[k]), s.p0.defined());

@@ -87,12 +87,16 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
   auto cotangent = [&](at::IntArrayRef shape) { return at::randn(shape, g); };
   const double F = sizeof(float);  // float32 storage
   std::vector<Case> out;
-  {  // AttnRes's completed read: keys = values = the sources.
-    at::Tensor q = leaf({d}, 0.5), src = leaf({N, P, d});
+  {  // AttnRes's completed read: keys = values = the sources, a list of N.
+    at::Tensor q = leaf({d}, 0.5);
+    std::vector<at::Tensor> src;
+    for (int64_t n = 0; n < N; ++n) src.push_back(leaf({P, d}));
+    std::vector<at::Tensor> inputs = {q};
+    inputs.insert(inputs.end(), src.begin(), src.end());
     auto outputs = [=](auto read) {
-      return [=] { return Outputs{std::get<0>(read(q.unsqueeze(0), src, at::Tensor(), kKeyNormEps))[0]}; };
+      return [=] { return Outputs{std::get<0>(read(q.unsqueeze(0), src, {}, kKeyNormEps))[0]}; };
     };
-    out.push_back({"depth_read", {q, src}, outputs(fused::depth_read), outputs(reference::depth_read),
+    out.push_back({"depth_read", inputs, outputs(fused::depth_read), outputs(reference::depth_read),
                    {cotangent({P, d})},
                    // forward: sources in, out; backward: ∂out and sources in, ∂sources out
                    F * (3 * N + 2) * P * d});
@@ -107,17 +111,21 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    // forward: out, partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
                    F * 8 * P * d});
   }
-  {  // DAR's read of both streams with the partial and the gates.
-    std::vector<at::Tensor> t = {leaf({2, d}, 0.5),   leaf({N, P, d}),        leaf({N, P, d}), leaf({P, d}),
-                                 leaf({P, d}),        leaf({2, 2 * d}, 0.05), leaf({2}),       leaf({2, 2 * d}, 0.05),
-                                 leaf({2})};
+  {  // DAR's read of both streams (lists of N entries) with the partial and the gates.
+    std::vector<at::Tensor> t = {leaf({2, d}, 0.5), leaf({P, d}), leaf({P, d}),       leaf({2, 2 * d}, 0.05),
+                                 leaf({2}),         leaf({2, 2 * d}, 0.05),          leaf({2})};
+    std::vector<at::Tensor> h0, h1;
+    for (int64_t n = 0; n < N; ++n) h0.push_back(leaf({P, d})), h1.push_back(leaf({P, d}));
     auto outputs = [=](auto read) {
       return [=] {
-        fused::DarRead r = read(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1}, kKeyNormEps);
+        fused::DarRead r = read(t[0], h0, h1, t[1], t[2], t[3], t[4], t[5], t[6], {1, 0}, {0, 1}, kKeyNormEps);
         return Outputs{r.h, r.beta};
       };
     };
-    out.push_back({"dar_read", t, outputs(fused::dar_read), outputs(reference::dar_read),
+    std::vector<at::Tensor> inputs = t;
+    inputs.insert(inputs.end(), h0.begin(), h0.end());
+    inputs.insert(inputs.end(), h1.begin(), h1.end());
+    out.push_back({"dar_read", inputs, outputs(fused::dar_read), outputs(reference::dar_read),
                    {cotangent({P, d}), cotangent({P, 2})},
                    // forward: both streams' N + 1 candidates in, h; backward: ∂h, the candidates in,
                    // their gradients
@@ -202,10 +210,11 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
 // The fused completed read's forward against a plain copy of its sources, interleaved.
 ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
   at::Tensor q = at::randn({1, s.d}, g), src = at::randn({s.N, s.P, s.d});
+  const std::vector<at::Tensor> sources = src.unbind(0);  // the list the read takes, in one block for the copy
   PlainCopy copy(src);
   std::vector<double> read_ms, copy_ms;
   for (int64_t i = 0; i <= repeats; ++i) {
-    const double r = time_ms([&] { fused::depth_read(q, src, at::Tensor(), kKeyNormEps); });
+    const double r = time_ms([&] { fused::depth_read(q, sources, {}, kKeyNormEps); });
     const double c = copy.time_ms();
     if (i > 0) {  // the first is a warm-up
       read_ms.push_back(r);

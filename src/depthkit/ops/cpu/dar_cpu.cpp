@@ -1,7 +1,7 @@
 // CPU kernels of DAR's fused residual read and gated write (DAR Appendix A.1, eq. 9–17).
 //
-// Layout: completed streams H⁰, H¹ [N, P, d] (P = batch·tokens); the block's partial P⁰, P¹ [P, d]
-// is one more candidate (index N) when present. Parallel over tokens; per token everything lives in
+// Layout: completed streams H⁰, H¹, lists of N entries [P, d] (P = batch·tokens; never stacked,
+// kernel_math.h); the block's partial P⁰, P¹ [P, d] is one more candidate (index N) when present. Parallel over tokens; per token everything lives in
 // thread-local buffers of d (or 2d) floats: nothing of size N·P·d is written but the gradients.
 //
 // Read, per token (eq. 10–15): one pass over each candidate of both streams gives its inverse RMS
@@ -44,12 +44,19 @@ namespace depthkit::cpu {
 
 namespace {
 
-void check_read(const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+void check_read(const at::Tensor& q, at::TensorList h0, at::TensorList h1, const at::Tensor& p0,
                 const at::Tensor& p1, const at::Tensor& wa, const at::Tensor& ba, const at::Tensor& wb,
                 const at::Tensor& bb) {
-  if (h0.dim() != 3 || h0.sizes() != h1.sizes() || h0.size(0) < 1)
-    fail("dar_read: expected completed streams h0, h1 [N, P, d] with N ≥ 1, got ", h0.sizes(), " and ", h1.sizes());
-  const int64_t P = h0.size(1), d = h0.size(2);
+  if (h0.empty() || h0.size() != h1.size())
+    fail("dar_read: expected completed streams h0, h1 of N >= 1 entries each, got ", h0.size(), " and ", h1.size());
+  if (h0[0].dim() != 2) fail("dar_read: completed entries must be [P, d], got ", h0[0].sizes());
+  for (size_t n = 0; n < h0.size(); ++n)
+    for (const at::Tensor* t : {&h0[n], &h1[n]}) {
+      if (t->sizes() != h0[0].sizes())
+        fail("dar_read: completed entry ", n, " of h0, h1 is ", t->sizes(), ", entry 0 of h0 ", h0[0].sizes());
+      if (t->scalar_type() != q.scalar_type()) fail("dar_read: all inputs must share one dtype");
+    }
+  const int64_t P = h0[0].size(0), d = h0[0].size(1);
   if (q.dim() != 2 || q.size(0) != 2 || q.size(1) != d) fail("dar_read: queries must be [2, ", d, "], got ", q.sizes());
   if (p0.defined() != p1.defined()) fail("dar_read: give both partial streams or neither");
   if (p0.defined() && (p0.sizes() != at::IntArrayRef{P, d} || p1.sizes() != p0.sizes()))
@@ -58,9 +65,9 @@ void check_read(const at::Tensor& q, const at::Tensor& h0, const at::Tensor& h1,
     if (w->sizes() != at::IntArrayRef{2, 2 * d}) fail("dar_read: gate weights must be [2, ", 2 * d, "], got ", w->sizes());
   for (const at::Tensor* b : {&ba, &bb})
     if (b->sizes() != at::IntArrayRef{2}) fail("dar_read: gate biases must be [2], got ", b->sizes());
-  for (const at::Tensor* t : {&q, &h1, &wa, &ba, &wb, &bb})
-    if (t->scalar_type() != h0.scalar_type()) fail("dar_read: all inputs must share one dtype");
-  if (p0.defined() && (p0.scalar_type() != h0.scalar_type() || p1.scalar_type() != h0.scalar_type()))
+  for (const at::Tensor* t : {&wa, &ba, &wb, &bb})
+    if (t->scalar_type() != q.scalar_type()) fail("dar_read: all inputs must share one dtype");
+  if (p0.defined() && (p0.scalar_type() != q.scalar_type() || p1.scalar_type() != q.scalar_type()))
     fail("dar_read: all inputs must share one dtype");
 }
 
@@ -74,24 +81,34 @@ DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
 
 at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
-// Candidate c of a stream for token p: a completed entry (c < N) or the partial (c = N).
+// Candidate c of a stream for token p: a completed entry (c < N), then the partial (c = N) when
+// there is one. Each candidate is a [P, d] tensor of its own (its gradient too).
 template <class T>
 struct Candidates {
-  const T* completed[2];
-  const T* partial[2];
-  int64_t N, P, d;
-  const T* at(int stream, int64_t c, int64_t p) const {
-    return c < N ? completed[stream] + (c * P + p) * d : partial[stream] + p * d;
-  }
+  std::vector<T*> stream[2];  // C per stream
+  int64_t d;
+  int64_t count() const { return int64_t(stream[0].size()); }
+  T* at(int s, int64_t c, int64_t p) const { return stream[s][c] + p * d; }
 };
+// The candidates of both streams: the completed entries, then the partial when defined.
+template <class T>
+Candidates<const T> candidates(const std::vector<at::Tensor>& h0, const std::vector<at::Tensor>& h1,
+                               const at::Tensor& p0, const at::Tensor& p1, int64_t d) {
+  Candidates<const T> c{{data_of<T>(h0), data_of<T>(h1)}, d};
+  if (p0.defined()) {
+    c.stream[0].push_back(p0.const_data_ptr<T>());
+    c.stream[1].push_back(p1.const_data_ptr<T>());
+  }
+  return c;
+}
 
 // The logits of both reads for token p in one pass over each candidate of each stream: its
 // inverse RMS s and its dot with the query (or queries) of the read(s) that take it as key.
 // a[j·C + c] = s_{k_j, c} (q_j · K_{k_j, c}); s[st·C + c] when s is not null.
 template <class acc_t, class scalar_t>
-void logits(const Candidates<scalar_t>& cand, const scalar_t* q, const DarRouting& routing, int64_t p, double eps,
+void logits(const Candidates<const scalar_t>& cand, const scalar_t* q, const DarRouting& routing, int64_t p, double eps,
             acc_t* a, acc_t* s_out) {
-  const int64_t C = cand.N + (cand.partial[0] ? 1 : 0), d = cand.d;
+  const int64_t C = cand.count(), d = cand.d;
   const int k0 = int(routing.key[0]), k1 = int(routing.key[1]);
   for (int st = 0; st < 2; ++st) {
     const bool for0 = k0 == st, for1 = k1 == st;
@@ -162,25 +179,24 @@ void gate_backward(const acc_t* z, acc_t* gu, acc_t* gz, const scalar_t* g, acc_
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
-    const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_, const OptTensor& p0_opt,
+    const at::Tensor& queries, at::TensorList h0_, at::TensorList h1_, const OptTensor& p0_opt,
     const OptTensor& p1_opt, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
     const at::Tensor& b_beta, at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps) {
   const at::Tensor p0_ = unwrap(p0_opt);
   const at::Tensor p1_ = unwrap(p1_opt);
   const DarRouting routing = routing_of(key_stream, value_stream);
   check_read(queries, h0_, h1_, p0_, p1_, w_alpha, b_alpha, w_beta, b_beta);
-  const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
-                   p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
-                   ba = b_alpha.contiguous(), wb = w_beta.contiguous(), bb = b_beta.contiguous();
-  const int64_t N = h0.size(0), P = h0.size(1), d = h0.size(2), C = N + (p0.defined() ? 1 : 0);
-  at::Tensor h = at::empty({P, d}, h0.options()), beta = at::empty({P, 2}, h0.options());
-  at::Tensor lse = at::empty({2, P}, h0.options().dtype(acc_type_of(h0)));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h0.scalar_type(), "dar_read_forward", [&] {
+  const std::vector<at::Tensor> h0 = contiguous_all(h0_), h1 = contiguous_all(h1_);
+  const at::Tensor q = queries.contiguous(), p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_),
+                   wa = w_alpha.contiguous(), ba = b_alpha.contiguous(), wb = w_beta.contiguous(),
+                   bb = b_beta.contiguous();
+  const int64_t N = int64_t(h0.size()), P = h0[0].size(0), d = h0[0].size(1), C = N + (p0.defined() ? 1 : 0);
+  const auto options = q.options();
+  at::Tensor h = at::empty({P, d}, options), beta = at::empty({P, 2}, options);
+  at::Tensor lse = at::empty({2, P}, options.dtype(acc_type_of(q)));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "dar_read_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Candidates<scalar_t> cand{{h0.const_data_ptr<scalar_t>(), h1.const_data_ptr<scalar_t>()},
-                                    {p0.defined() ? p0.const_data_ptr<scalar_t>() : nullptr,
-                                     p1.defined() ? p1.const_data_ptr<scalar_t>() : nullptr},
-                                    N, P, d};
+    const auto cand = candidates<scalar_t>(h0, h1, p0, p1, d);
     const scalar_t *qp = q.const_data_ptr<scalar_t>(), *wap = wa.const_data_ptr<scalar_t>(),
                    *bap = ba.const_data_ptr<scalar_t>(), *wbp = wb.const_data_ptr<scalar_t>(),
                    *bbp = bb.const_data_ptr<scalar_t>();
@@ -222,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
 }
 
 std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const OptTensor& grad_beta_opt,
-                                          const at::Tensor& queries, const at::Tensor& h0_, const at::Tensor& h1_,
+                                          const at::Tensor& queries, at::TensorList h0_, at::TensorList h1_,
                                           const OptTensor& p0_opt, const OptTensor& p1_opt, const at::Tensor& w_alpha,
                                           const at::Tensor& b_alpha, const at::Tensor& w_beta,
                                           const at::Tensor& b_beta, const at::Tensor& lse_,
@@ -232,35 +248,33 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
   const at::Tensor p0_ = unwrap(p0_opt);
   const at::Tensor p1_ = unwrap(p1_opt);
   const DarRouting routing = routing_of(key_stream, value_stream);
-  const at::Tensor q = queries.contiguous(), h0 = h0_.contiguous(), h1 = h1_.contiguous(),
-                   p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_), wa = w_alpha.contiguous(),
-                   ba = b_alpha.contiguous(), wb = w_beta.contiguous(), bb = b_beta.contiguous(),
-                   lse = lse_.contiguous();
-  const int64_t N = h0.size(0), P = h0.size(1), d = h0.size(2), C = N + (p0.defined() ? 1 : 0);
-  const auto acc = acc_type_of(h0);
-  const auto acc_opt = h0.options().dtype(acc);
-  const at::Tensor gh = grad_h_.defined() ? grad_h_.contiguous() : at::zeros({P, d}, h0.options());
-  const at::Tensor gb = grad_beta_.defined() ? grad_beta_.contiguous() : at::zeros({P, 2}, h0.options());
-  // Stream gradients: every token's rows are written by the thread that owns the token.
-  at::Tensor gH0 = at::empty({N, P, d}, acc_opt), gH1 = at::empty({N, P, d}, acc_opt);
+  check_read(queries, h0_, h1_, p0_, p1_, w_alpha, b_alpha, w_beta, b_beta);
+  const std::vector<at::Tensor> h0 = contiguous_all(h0_), h1 = contiguous_all(h1_);
+  const at::Tensor q = queries.contiguous(), p0 = contiguous_or_undefined(p0_), p1 = contiguous_or_undefined(p1_),
+                   wa = w_alpha.contiguous(), ba = b_alpha.contiguous(), wb = w_beta.contiguous(),
+                   bb = b_beta.contiguous(), lse = lse_.contiguous();
+  const int64_t N = int64_t(h0.size()), P = h0[0].size(0), d = h0[0].size(1), C = N + (p0.defined() ? 1 : 0);
+  const auto acc = acc_type_of(q);
+  const auto acc_opt = q.options().dtype(acc);
+  const at::Tensor gh = grad_h_.defined() ? grad_h_.contiguous() : at::zeros({P, d}, q.options());
+  const at::Tensor gb = grad_beta_.defined() ? grad_beta_.contiguous() : at::zeros({P, 2}, q.options());
+  // Candidate gradients, one tensor each: every token's rows are written by the thread that owns it.
+  const std::vector<at::Tensor> gH0 = empty_list(N, {P, d}, acc_opt), gH1 = empty_list(N, {P, d}, acc_opt);
   at::Tensor gP0 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
   at::Tensor gP1 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
   // Partial sums per block of tokens (kernel_math.h) of the token-summed gradients: q [2, d],
   // W_α, W_β [2, 2d], b_α, b_β [2].
   const int64_t part = 2 * d + 8 * d + 4;
   at::Tensor parts = at::zeros({sum_blocks(P), part}, acc_opt);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h0.scalar_type(), "dar_read_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "dar_read_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Candidates<scalar_t> cand{{h0.const_data_ptr<scalar_t>(), h1.const_data_ptr<scalar_t>()},
-                                    {p0.defined() ? p0.const_data_ptr<scalar_t>() : nullptr,
-                                     p1.defined() ? p1.const_data_ptr<scalar_t>() : nullptr},
-                                    N, P, d};
-    acc_t* grad_completed[2] = {gH0.mutable_data_ptr<acc_t>(), gH1.mutable_data_ptr<acc_t>()};
-    acc_t* grad_partial[2] = {gP0.defined() ? gP0.mutable_data_ptr<acc_t>() : nullptr,
-                              gP1.defined() ? gP1.mutable_data_ptr<acc_t>() : nullptr};
-    auto grad_at = [&](int stream, int64_t c, int64_t p) {
-      return c < N ? grad_completed[stream] + (c * P + p) * d : grad_partial[stream] + p * d;
-    };
+    const auto cand = candidates<scalar_t>(h0, h1, p0, p1, d);
+    Candidates<acc_t> grad{{mutable_data_of<acc_t>(gH0), mutable_data_of<acc_t>(gH1)}, d};
+    if (p0.defined()) {
+      grad.stream[0].push_back(gP0.mutable_data_ptr<acc_t>());
+      grad.stream[1].push_back(gP1.mutable_data_ptr<acc_t>());
+    }
+    auto grad_at = [&](int stream, int64_t c, int64_t p) { return grad.at(stream, c, p); };
     const scalar_t *qp = q.const_data_ptr<scalar_t>(), *wap = wa.const_data_ptr<scalar_t>(),
                    *bap = ba.const_data_ptr<scalar_t>(), *wbp = wb.const_data_ptr<scalar_t>(),
                    *bbp = bb.const_data_ptr<scalar_t>(), *ghp = gh.const_data_ptr<scalar_t>(),
@@ -320,22 +334,23 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
       }
     });
   });
-  const auto st = h0.scalar_type();
+  const auto st = q.scalar_type();
   at::Tensor total = parts.sum(0);
   auto piece = [&](int64_t offset, at::IntArrayRef shape) {
     int64_t n = 1;
     for (int64_t x : shape) n *= x;
     return total.narrow(0, offset, n).view(shape).to(st);
   };
-  return {piece(0, {2, d}),
-          gH0.to(st),
-          gH1.to(st),
-          gP0.defined() ? gP0.to(st) : at::Tensor(),
-          gP1.defined() ? gP1.to(st) : at::Tensor(),
-          piece(2 * d, {2, 2 * d}),
-          piece(10 * d, {2}),
-          piece(6 * d, {2, 2 * d}),
-          piece(10 * d + 2, {2})};
+  std::vector<at::Tensor> out = {piece(0, {2, d}),
+                                 gP0.defined() ? gP0.to(st) : at::Tensor(),
+                                 gP1.defined() ? gP1.to(st) : at::Tensor(),
+                                 piece(2 * d, {2, 2 * d}),
+                                 piece(10 * d, {2}),
+                                 piece(6 * d, {2, 2 * d}),
+                                 piece(10 * d + 2, {2})};
+  for (const auto* list : {&gH0, &gH1})
+    for (const at::Tensor& g : *list) out.push_back(g.to(st));
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const at::Tensor& beta_,

@@ -16,17 +16,18 @@ struct DarRouting {
   std::array<int64_t, 2> key, value;
 };
 
-// queries [2, d]; h0, h1 [N, P, d] completed streams; p0, p1 [P, d] or undefined (block start);
+// queries [2, d]; h0, h1 completed streams, N entries [P, d] each; p0, p1 [P, d] or undefined (block start);
 // w_alpha, w_beta [2, 2d]; b_alpha, b_beta [2]  →  h [P, d], β [P, 2], ζ [2, P].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
-    const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const OptTensor& p0,
+    const at::Tensor& queries, at::TensorList h0, at::TensorList h1, const OptTensor& p0,
     const OptTensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
     const at::Tensor& b_beta, at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps);
 
-// Gradients of (h, β) → (queries, h0, h1, p0, p1, w_alpha, b_alpha, w_beta, b_beta); p0, p1's
-// gradients are undefined when p0, p1 are. Either incoming gradient may be undefined (zero).
+// Gradients of (h, β) → [queries, p0, p1, w_alpha, b_alpha, w_beta, b_beta, then one per entry of
+// h0, then of h1]; p0, p1's gradients are undefined when p0, p1 are. Either incoming gradient may
+// be undefined (zero).
 std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h, const OptTensor& grad_beta,
-                                          const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1,
+                                          const at::Tensor& queries, at::TensorList h0, at::TensorList h1,
                                           const OptTensor& p0, const OptTensor& p1, const at::Tensor& w_alpha,
                                           const at::Tensor& b_alpha, const at::Tensor& w_beta,
                                           const at::Tensor& b_beta, const at::Tensor& lse, at::IntArrayRef key_stream,

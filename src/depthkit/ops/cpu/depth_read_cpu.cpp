@@ -1,7 +1,7 @@
 // CPU kernels of the fused depth read (DAR eq. A.1–A.5) and online-softmax merge (A.6–A.10).
 //
-// Layout: queries q [M, d]; raw keys k and values v [N, P, d] (N sources, P = batch·tokens);
-// out [M, P, d]; ζ [M, P]. Parallel over tokens p; loops over d are plain and auto-vectorised;
+// Layout: queries q [M, d]; raw keys k and values v: lists of N sources [P, d] each (P =
+// batch·tokens; never stacked, kernel_math.h); out [M, P, d]; ζ [M, P]. Parallel over tokens p; loops over d are plain and auto-vectorised;
 // accumulation in float32 (float64 for float64 inputs); bfloat16 storage is accepted.
 //
 // Forward, per token p: s_r = 1/√(mean_d k_r² + ε) once for all M targets (in the same pass as
@@ -36,13 +36,17 @@ namespace depthkit::cpu {
 
 namespace {
 
-void check_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  if (q.dim() != 2 || k.dim() != 3 || v.dim() != 3) fail("depth_read: expected queries [M, d], keys and values [N, P, d]");
-  if (k.sizes() != v.sizes()) fail("depth_read: keys ", k.sizes(), " and values ", v.sizes(), " differ");
-  if (q.size(1) != k.size(2)) fail("depth_read: queries have d = ", q.size(1), ", keys d = ", k.size(2));
-  if (k.size(0) < 1) fail("depth_read: needs at least one source");
-  if (q.scalar_type() != k.scalar_type() || k.scalar_type() != v.scalar_type())
-    fail("depth_read: queries, keys and values must share a dtype");
+void check_read(const at::Tensor& q, at::TensorList k, at::TensorList v) {
+  if (k.empty()) fail("depth_read: needs at least one source");
+  if (q.dim() != 2 || k[0].dim() != 2) fail("depth_read: expected queries [M, d], keys and values [P, d] each");
+  if (v.size() != k.size()) fail("depth_read: ", k.size(), " keys and ", v.size(), " values");
+  for (size_t r = 0; r < k.size(); ++r) {
+    if (k[r].sizes() != k[0].sizes() || v[r].sizes() != k[0].sizes())
+      fail("depth_read: key/value ", r, " is ", k[r].sizes(), "/", v[r].sizes(), ", source 0 ", k[0].sizes());
+    if (k[r].scalar_type() != q.scalar_type() || v[r].scalar_type() != q.scalar_type())
+      fail("depth_read: queries, keys and values must share a dtype");
+  }
+  if (q.size(1) != k[0].size(1)) fail("depth_read: queries have d = ", q.size(1), ", keys d = ", k[0].size(1));
 }
 
 // (k · k, q · k, g · (o − v)) in one pass: the reductions of the merge's backward.
@@ -62,19 +66,20 @@ std::tuple<acc_t, acc_t, acc_t> merge_reductions(const scalar_t* k, const scalar
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const OptTensor& values_opt, double eps) {
-  const at::Tensor values_ = unwrap(values_opt);
-  const at::Tensor& values = values_.defined() ? values_ : keys;  // undefined: values are the keys
+std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, at::TensorList keys,
+                                                      at::TensorList values_, double eps) {
+  const at::TensorList values = values_.empty() ? keys : values_;  // none: the values are the keys
   check_read(queries, keys, values);
-  const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous();
-  const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
-  at::Tensor out = at::empty({M, P, d}, k.options());
-  const auto acc_type = k.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor lse = at::empty({M, P}, k.options().dtype(acc_type));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_forward", [&] {
+  const at::Tensor q = queries.contiguous();
+  const std::vector<at::Tensor> k = contiguous_all(keys), v = values_.empty() ? k : contiguous_all(values);
+  const int64_t M = q.size(0), N = int64_t(k.size()), P = k[0].size(0), d = k[0].size(1);
+  at::Tensor out = at::empty({M, P, d}, k[0].options());
+  const auto acc_type = acc_type_of(k[0]);
+  at::Tensor lse = at::empty({M, P}, k[0].options().dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "depth_read_forward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const std::vector<const scalar_t*> kp = data_of<scalar_t>(k), vp = data_of<scalar_t>(v);
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     acc_t* lp = lse.mutable_data_ptr<acc_t>();
     at::parallel_for(0, P, grain(N * d * (M + 1)), [&](int64_t p0, int64_t p1) {
@@ -82,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
       for (int64_t p = p0; p < p1; ++p) {
         // Logits a[m, r] = s_r (q_m · K_r) (A.1): the key's norm and the first dot in one pass.
         for (int64_t r = 0; r < N; ++r) {
-          const scalar_t* kr = kp + (r * P + p) * d;
+          const scalar_t* kr = kp[r] + p * d;
           const auto [kk, qk] = square_and_dot<acc_t>(kr, qp, d);
           const acc_t s = inv_rms<acc_t>(kk, d, eps);
           a[r] = s * qk;
@@ -98,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
           for (int64_t r = 0; r < N; ++r) {
             const acc_t w = std::exp(am[r] - mx);
             Z += w;                                           // (A.3)
-            axpy(acc.data(), w, vp + (r * P + p) * d, d);    // (A.4)
+            axpy(acc.data(), w, vp[r] + p * d, d);           // (A.4)
           }
           scalar_t* o = op + (m * P + p) * d;
           const acc_t inv_Z = acc_t(1) / Z;
@@ -111,31 +116,35 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
-    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, const at::Tensor& keys,
-    const OptTensor& values_opt, const at::Tensor& lse_, double eps) {
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_read_backward(
+    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, at::TensorList keys,
+    at::TensorList values_, const at::Tensor& lse_, double eps) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
-  const at::Tensor values_ = unwrap(values_opt);
   // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
-  const bool shared = !values_.defined();
-  const at::Tensor& values = shared ? keys : values_;
-  const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous(), lse = lse_.contiguous();
-  const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
+  const bool shared = values_.empty();
+  const at::TensorList values = shared ? keys : values_;
+  check_read(queries, keys, values);
+  const at::Tensor q = queries.contiguous(), lse = lse_.contiguous();
+  const std::vector<at::Tensor> k = contiguous_all(keys), v = shared ? k : contiguous_all(values);
+  const int64_t M = q.size(0), N = int64_t(k.size()), P = k[0].size(0), d = k[0].size(1);
   const auto acc_type = lse.scalar_type();
-  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, k.options());
+  const auto options = k[0].options();
+  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({M, P}, lse.options());
-  // Gradients of keys and values are accumulated per token (no two threads share a token);
-  // the query gradient is a sum over tokens: one partial sum per block of tokens (kernel_math.h).
-  at::Tensor gk = at::empty({N, P, d}, k.options().dtype(acc_type));
-  at::Tensor gv = shared ? gk : at::empty({N, P, d}, k.options().dtype(acc_type));
-  at::Tensor gq_parts = at::zeros({sum_blocks(P), M, d}, k.options().dtype(acc_type));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, k.scalar_type(), "depth_read_backward", [&] {
+  // Gradients of keys and values are accumulated per token (no two threads share a token), one
+  // tensor per source; the query gradient is a sum over tokens: one partial sum per block of
+  // tokens (kernel_math.h).
+  const std::vector<at::Tensor> gk = empty_list(N, {P, d}, options.dtype(acc_type));
+  const std::vector<at::Tensor> gv = shared ? gk : empty_list(N, {P, d}, options.dtype(acc_type));
+  at::Tensor gq_parts = at::zeros({sum_blocks(P), M, d}, options.dtype(acc_type));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "depth_read_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(), *vp = v.const_data_ptr<scalar_t>();
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const std::vector<const scalar_t*> kp = data_of<scalar_t>(k), vp = data_of<scalar_t>(v);
     const scalar_t* gop = go.const_data_ptr<scalar_t>();
     const acc_t *lp = lse.const_data_ptr<acc_t>(), *glp = gl.const_data_ptr<acc_t>();
-    acc_t *gkp = gk.mutable_data_ptr<acc_t>(), *gvp = gv.mutable_data_ptr<acc_t>();
+    const std::vector<acc_t*> gkp = mutable_data_of<acc_t>(gk), gvp = mutable_data_of<acc_t>(gv);
     acc_t* gq_all = gq_parts.mutable_data_ptr<acc_t>();
     parallel_for_blocks(P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
@@ -143,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
         acc_t* gq = gq_all + sum_block(p) * M * d;
         // One pass over each key: its norm, q_0 · K_r and, when the values are the keys, g_0 · V_r.
         for (int64_t r = 0; r < N; ++r) {
-          const scalar_t* kr = kp + (r * P + p) * d;
+          const scalar_t* kr = kp[r] + p * d;
           acc_t kk;
           if (shared) {
             std::tie(kk, qk[r], gdotv[r]) = square_and_two_dots<acc_t>(kr, qp, gop + p * d, d);
@@ -157,20 +166,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
           const scalar_t* g = gop + (m * P + p) * d;
           acc_t g_out = 0;  // g · out = Σ_r w_r (g · v_r)
           for (int64_t r = 0; r < N; ++r) {
-            const scalar_t* kr = kp + (r * P + p) * d;
+            const scalar_t* kr = kp[r] + p * d;
             if (m > 0) qk[r] = dot<acc_t>(qm, kr, d);
-            if (m > 0 || !shared) gdotv[r] = dot<acc_t>(g, vp + (r * P + p) * d, d);
+            if (m > 0 || !shared) gdotv[r] = dot<acc_t>(g, vp[r] + p * d, d);
             w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
             g_out += w[r] * gdotv[r];
           }
           // Each source's gradients in one pass: the first target writes them, later ones add.
           for (int64_t r = 0; r < N; ++r) {
-            const scalar_t* kr = kp + (r * P + p) * d;
+            const scalar_t* kr = kp[r] + p * d;
             const acc_t da = w[r] * (gdotv[r] - g_out) + glp[m * P + p] * w[r];
             const acc_t a_q = da * s[r], a_k = -da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
             const acc_t a_g = shared ? w[r] : acc_t(0);  // shared values: ∂v_r lands on ∂k_r
-            acc_t* gkr = gkp + (r * P + p) * d;
-            acc_t* gvr = gvp + (r * P + p) * d;
+            acc_t* gkr = gkp[r] + p * d;
+            acc_t* gvr = gvp[r] + p * d;
             acc_t* gqm = gq + m * d;
             if (m == 0) {  // (the buffers are uninitialised: write, never read)
               candidate_grads<false>(gkr, gqm, a_q, qm, a_k, kr, a_g, g, d);
@@ -185,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(
     });
   });
   at::Tensor gq = gq_parts.sum(0).to(q.scalar_type());
-  return {gq, gk.to(k.scalar_type()), shared ? at::Tensor() : gv.to(v.scalar_type())};
+  const auto st = q.scalar_type();
+  return {gq, to_all(gk, st), shared ? std::vector<at::Tensor>() : to_all(gv, st)};
 }
 
 at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,

@@ -3,19 +3,20 @@
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
+#include <vector>
 
 #include "depthkit/ops/optional_tensor.h"
 
 namespace depthkit::cpu {
 
-std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, const at::Tensor& keys,
-                                                      const OptTensor& values, double eps);
-// Gradients of (out, ζ) → (queries, keys, values). grad_lse may be undefined (zero).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward(const OptTensor& grad_out,
-                                                                   const OptTensor& grad_lse,
-                                                                   const at::Tensor& queries, const at::Tensor& keys,
-                                                                   const OptTensor& values, const at::Tensor& lse,
-                                                                   double eps);
+// queries [M, d]; keys and values: lists of N sources [P, d] (values empty: they are the keys).
+std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries, at::TensorList keys,
+                                                      at::TensorList values, double eps);
+// Gradients of (out, ζ) → (queries, one per key, one per value: none when the values are the keys,
+// whose gradients then hold both). grad_out and grad_lse may be undefined (zero).
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_read_backward(
+    const OptTensor& grad_out, const OptTensor& grad_lse, const at::Tensor& queries, at::TensorList keys,
+    at::TensorList values, const at::Tensor& lse, double eps);
 
 at::Tensor depth_merge_forward(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& query,
                                const at::Tensor& key_part, const OptTensor& value_part, double eps);

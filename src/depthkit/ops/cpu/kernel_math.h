@@ -6,18 +6,54 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace depthkit::cpu {
 
 // Float32 accumulation for float32 and bfloat16 storage, float64 for float64.
 inline at::ScalarType acc_type_of(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The history a read takes is a list of sources (one tensor per completed entry, never stacked:
+// appending an entry copies nothing, and each source's gradient is its own tensor, which autograd
+// adds to in place). The kernels take their data pointers.
+inline std::vector<at::Tensor> contiguous_all(at::TensorList list) {
+  std::vector<at::Tensor> out;
+  out.reserve(list.size());
+  for (const at::Tensor& t : list) out.push_back(t.contiguous());
+  return out;
+}
+template <class T>
+std::vector<const T*> data_of(const std::vector<at::Tensor>& list) {
+  std::vector<const T*> out;
+  for (const at::Tensor& t : list) out.push_back(t.const_data_ptr<T>());
+  return out;
+}
+template <class T>
+std::vector<T*> mutable_data_of(const std::vector<at::Tensor>& list) {
+  std::vector<T*> out;
+  for (const at::Tensor& t : list) out.push_back(t.mutable_data_ptr<T>());
+  return out;
+}
+// N new tensors of `sizes` (gradients of a list of sources).
+inline std::vector<at::Tensor> empty_list(size_t N, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  std::vector<at::Tensor> out;
+  for (size_t n = 0; n < N; ++n) out.push_back(at::empty(sizes, options));
+  return out;
+}
+// Each tensor of a list in `dtype`.
+inline std::vector<at::Tensor> to_all(const std::vector<at::Tensor>& list, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : list) out.push_back(t.to(dtype));
+  return out;
 }
 
 // The reductions over d keep kLanes partial sums per sum (two AVX2 registers of float32), so

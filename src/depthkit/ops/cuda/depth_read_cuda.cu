@@ -10,6 +10,7 @@
 // tokens: each token writes its share to a [P, M, d] buffer that one ATen sum reduces
 // (deterministic, no atomics).
 #include <ATen/Dispatch.h>
+#include <ATen/ops/stack.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -229,9 +230,14 @@ void check_cuda(const char* op, std::initializer_list<const at::Tensor*> ts) {
 
 unsigned blocks_for(int64_t P) { return unsigned((P + kWarpsPerBlock - 1) / kWarpsPerBlock); }
 
-std::tuple<at::Tensor, at::Tensor> depth_read_cuda(const at::Tensor& queries, const at::Tensor& keys,
-                                                   const std::optional<at::Tensor>& values_, double eps) {
-  const at::Tensor values = values_.has_value() ? *values_ : keys;
+// The schema's keys and values are lists of sources (ops/schema.cpp); these kernels read them
+// stacked, [N, P, d], which costs a copy of the history per read that the CPU kernels, reading the
+// list in place, do not make.
+std::tuple<at::Tensor, at::Tensor> depth_read_cuda(const at::Tensor& queries, at::TensorList key_list,
+                                                   at::TensorList value_list, double eps) {
+  if (key_list.empty() || (!value_list.empty() && value_list.size() != key_list.size()))
+    fail("depth_read: expected N >= 1 keys and as many values (or none)");
+  const at::Tensor keys = at::stack(key_list), values = value_list.empty() ? keys : at::stack(value_list);
   check_cuda("depth_read", {&queries, &keys, &values});
   if (queries.dim() != 2 || keys.dim() != 3 || keys.sizes() != values.sizes() || queries.size(1) != keys.size(2) ||
       keys.size(0) < 1)
@@ -254,11 +260,11 @@ std::tuple<at::Tensor, at::Tensor> depth_read_cuda(const at::Tensor& queries, co
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cuda(
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_read_backward_cuda(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& queries,
-    const at::Tensor& keys, const std::optional<at::Tensor>& values_, const at::Tensor& lse_, double eps) {
-  const bool shared_values = !values_.has_value();
-  const at::Tensor values = shared_values ? keys : *values_;
+    at::TensorList key_list, at::TensorList value_list, const at::Tensor& lse_, double eps) {
+  const bool shared_values = value_list.empty();
+  const at::Tensor keys = at::stack(key_list), values = shared_values ? keys : at::stack(value_list);
   const c10::cuda::CUDAGuard guard(keys.device());
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous(), lse = lse_.contiguous();
   const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
@@ -282,7 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depth_read_backward_cuda(
     });
   }
   const auto st = k.scalar_type();
-  return {gq_tok.sum(0).to(q.scalar_type()), gk.to(st), shared_values ? at::Tensor() : gv.to(v.scalar_type())};
+  return {gq_tok.sum(0).to(q.scalar_type()), gk.to(st).unbind(0),
+          shared_values ? std::vector<at::Tensor>() : gv.to(v.scalar_type()).unbind(0)};
 }
 
 at::Tensor depth_merge_cuda(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,

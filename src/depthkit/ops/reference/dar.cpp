@@ -4,6 +4,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
+#include <ATen/ops/stack.h>
 
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
@@ -17,12 +18,14 @@ at::Tensor joint_norm(const at::Tensor& x0, const at::Tensor& x1, double eps) {
 }
 }  // namespace
 
-fused::DarRead dar_read(const at::Tensor& queries_, const at::Tensor& h0_, const at::Tensor& h1_, const at::Tensor& p0_,
-                        const at::Tensor& p1_, const at::Tensor& w_alpha_, const at::Tensor& b_alpha_,
-                        const at::Tensor& w_beta_, const at::Tensor& b_beta_, const std::array<int64_t, 2>& key_stream,
-                        const std::array<int64_t, 2>& value_stream, double eps) {
+fused::DarRead dar_read(const at::Tensor& queries_, at::TensorList h0_list, at::TensorList h1_list,
+                        const at::Tensor& p0_, const at::Tensor& p1_, const at::Tensor& w_alpha_,
+                        const at::Tensor& b_alpha_, const at::Tensor& w_beta_, const at::Tensor& b_beta_,
+                        const std::array<int64_t, 2>& key_stream, const std::array<int64_t, 2>& value_stream,
+                        double eps) {
   // As the fused kernel: the reads, gates and mix in the accumulation dtype; h and β stored in the
   // streams' dtype.
+  const at::Tensor h0_ = at::stack(h0_list), h1_ = at::stack(h1_list);
   const at::Tensor queries = widen(queries_, h0_), h0 = widen(h0_, h0_), h1 = widen(h1_, h0_), p0 = widen(p0_, h0_),
                    p1 = widen(p1_, h0_), w_alpha = widen(w_alpha_, h0_), b_alpha = widen(b_alpha_, h0_),
                    w_beta = widen(w_beta_, h0_), b_beta = widen(b_beta_, h0_);

@@ -7,11 +7,12 @@
 
 namespace depthkit::reference {
 
-std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, const at::Tensor& keys,
-                                              const at::Tensor& values, double eps) {
+std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, at::TensorList key_list,
+                                              at::TensorList value_list, double eps) {
+  const at::Tensor keys = at::stack(key_list), values = value_list.empty() ? keys : at::stack(value_list);
   std::vector<at::Tensor> outs, lses;
   for (int64_t m = 0; m < queries.size(0); ++m) {  // one read per target (A.1–A.5)
-    DepthRead r = depthkit::depth_read(queries[m], keys, values.defined() ? values : keys, eps);
+    DepthRead r = depthkit::depth_read(queries[m], keys, values, eps);
     outs.push_back(r.out);
     lses.push_back(r.log_partition);
   }

@@ -22,9 +22,9 @@ namespace depthkit::reference {
 
 // ---- depth_read, depth_merge (ops/fused.h; DAR eq. A.1–A.10) -----------------------------------
 
-// queries [M, d], keys [N, P, d], values [N, P, d] or undefined (= the keys) → out [M, P, d], ζ [M, P].
-std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, const at::Tensor& keys,
-                                              const at::Tensor& values, double eps);
+// queries [M, d], keys: N sources [P, d], values: N sources [P, d] or none (= the keys) → out [M, P, d], ζ [M, P].
+std::tuple<at::Tensor, at::Tensor> depth_read(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
+                                              double eps);
 // out [P, d], ζ [P], query [d], key_part [P, d], value_part [P, d] or undefined (= the key) → h [P, d].
 at::Tensor depth_merge(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& query,
                        const at::Tensor& key_part, const at::Tensor& value_part, double eps);
@@ -32,7 +32,7 @@ at::Tensor depth_merge(const at::Tensor& out, const at::Tensor& log_partition, c
 // ---- dar_read, dar_write (ops/dar_ops.h; DAR eq. 10–17) -----------------------------------------
 
 // The same shapes as fused::dar_read; log_partition is left undefined (nothing reads it).
-fused::DarRead dar_read(const at::Tensor& queries, const at::Tensor& h0, const at::Tensor& h1, const at::Tensor& p0,
+fused::DarRead dar_read(const at::Tensor& queries, at::TensorList h0, at::TensorList h1, const at::Tensor& p0,
                         const at::Tensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha,
                         const at::Tensor& w_beta, const at::Tensor& b_beta, const std::array<int64_t, 2>& key_stream,
                         const std::array<int64_t, 2>& value_stream, double eps);
