@@ -285,7 +285,7 @@ TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
   expect_thread_independent(
       "msar_read",
       [&](const std::vector<at::Tensor>& t) {
-        auto [out, lse] = fused::msar_read(t[0], t[1], t[2], kKeyNormEps);
+        auto [out, lse] = fused::msar_read(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
         return std::vector<at::Tensor>{out, lse};
       },
       {randn({m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)});

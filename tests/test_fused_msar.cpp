@@ -43,7 +43,7 @@ namespace {
 
 // The reference compositions: reference::msar_read and reference::msar_fuse (ops/reference/).
 auto read_ref(const at::Tensor& q, const at::Tensor& x, const at::Tensor& conv) {
-  return reference::msar_read(q, x, conv, kKeyNormEps);
+  return reference::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps);
 }
 at::Tensor fuse_ref(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& partial,
                     const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
@@ -95,7 +95,7 @@ void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_l
   const auto lengths = lengths_of(s, with_lengths);
   auto read = [&lengths](auto op) {
     return [op, &lengths](const std::vector<at::Tensor>& t) {
-      auto [out, lse] = op(t[0], t[1], t[2], kKeyNormEps, view(lengths));
+      auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths));
       return std::vector<at::Tensor>{out, lse};
     };
   };
@@ -176,16 +176,16 @@ TEST(FusedMsar, KernelLengthsSkipThePadding) {
   at::Tensor grads[2];
   for (int with : {0, 1}) {
     at::Tensor c = conv.clone().requires_grad_();
-    auto [out, lse] = fused::msar_read(q, x, c, kKeyNormEps, with ? c10::OptionalIntArrayRef(lengths) : std::nullopt);
+    auto [out, lse] = fused::msar_read(q, x.unbind(0), c.unbind(0), kKeyNormEps, with ? c10::OptionalIntArrayRef(lengths) : std::nullopt);
     (out.square().sum() + lse.sum()).backward();
     grads[with] = c.grad();
   }
   for (int64_t r = 0; r < s.m - 1; ++r)
     EXPECT_TRUE(near(grads[1].select(1, r).narrow(-1, 0, lengths[r]), grads[0].select(1, r).narrow(-1, 0, lengths[r]),
                      1e-12, "tap gradients within the lengths"));
-  expect_error([&] { fused::msar_read(q, x, conv, kKeyNormEps, std::vector<int64_t>{4, 8}); },
+  expect_error([&] { fused::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps, std::vector<int64_t>{4, 8}); },
                {"msar_read", "kernel_lengths", "m - 1 = 3"});
-  expect_error([&] { fused::msar_read(q, x, conv, kKeyNormEps, std::vector<int64_t>{4, 13, 12}); },
+  expect_error([&] { fused::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps, std::vector<int64_t>{4, 13, 12}); },
                {"msar_read", "kernel_lengths[1] = 13", "K = 12"});
 }
 
@@ -215,7 +215,7 @@ TEST(FusedMsar, ReadThenFuseEqualsOneSoftmaxOverAllCandidates) {
   const auto opt = at::TensorOptions().dtype(at::kDouble);
   at::Tensor q = at::randn({s.m, s.d}, g, opt), x = at::randn({s.N + 1, s.B, s.T, s.d}, g, opt);
   at::Tensor conv = at::randn({s.N + 1, s.m - 1, s.d, s.K}, g, opt);
-  auto [out, lse] = fused::msar_read(q, x.narrow(0, 0, s.N), conv.narrow(0, 0, s.N), kKeyNormEps);
+  auto [out, lse] = fused::msar_read(q, x.narrow(0, 0, s.N).unbind(0), conv.narrow(0, 0, s.N).unbind(0), kKeyNormEps);
   at::Tensor h = fused::msar_fuse(out, lse, q, x[s.N], conv[s.N], at::Tensor(), at::Tensor(), at::Tensor(), kKeyNormEps);
   auto [all, all_lse] = read_ref(q, x, conv);
   EXPECT_TRUE(near(h, all.mean(0), 1e-10, "merged read vs one softmax"));
@@ -232,7 +232,7 @@ TEST(FusedMsar, GradcheckFloat64) {
                                     at::randn({m}, g, opt),              at::randn({1}, g, opt)};
   at::Tensor w = at::randn({B, T, d}, g, opt), w2 = at::randn({m, B, T, d}, g, opt);
   auto f = [&](const std::vector<at::Tensor>& in) {
-    auto [out, lse] = fused::msar_read(in[0], in[1], in[2], kKeyNormEps);
+    auto [out, lse] = fused::msar_read(in[0], in[1].unbind(0), in[2].unbind(0), kKeyNormEps);
     at::Tensor h = fused::msar_fuse(out, lse, in[0], in[3], in[4], in[5], in[6], in[7], kKeyNormEps);
     return (h * w).sum() + (out * w2).sum() + lse.sum();
   };
@@ -244,7 +244,7 @@ TEST(FusedMsar, BFloat16WithinItsPrecision) {
   at::Tensor q = at::randn({4, 64}, g), x = at::randn({3, 2, 16, 64}, g), c = at::randn({3, 3, 64, 12}, g) * 0.3;
   auto bf = [](const at::Tensor& t) { return t.to(at::kBFloat16); };
   auto back = [](const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kFloat); };
-  auto [out, lse] = fused::msar_read(bf(q), bf(x), bf(c), kKeyNormEps);
+  auto [out, lse] = fused::msar_read(bf(q), bf(x).unbind(0), bf(c).unbind(0), kKeyNormEps);
   auto [ref_out, ref_lse] = read_ref(back(q), back(x), back(c));
   EXPECT_EQ(out.scalar_type(), at::kBFloat16);
   EXPECT_EQ(lse.scalar_type(), at::kFloat);
@@ -258,8 +258,8 @@ TEST(FusedMsar, BFloat16WithinItsPrecision) {
 
 TEST(FusedMsar, BadShapesAreClearErrors) {
   at::Tensor q = at::zeros({3, 4}), x = at::zeros({2, 1, 5, 4});
-  expect_error([&] { fused::msar_read(q, x, at::zeros({2, 1, 4, 3}), kKeyNormEps); }, {"msar_read", "conv"});
-  expect_error([&] { fused::msar_read(at::zeros({3, 5}), x, at::zeros({2, 2, 5, 3}), kKeyNormEps); },
+  expect_error([&] { fused::msar_read(q, x.unbind(0), at::zeros({2, 1, 4, 3}).unbind(0), kKeyNormEps); }, {"msar_read", "conv"});
+  expect_error([&] { fused::msar_read(at::zeros({3, 5}), x.unbind(0), at::zeros({2, 2, 5, 3}).unbind(0), kKeyNormEps); },
                {"msar_read", "d = 5"});
   at::Tensor out = at::zeros({3, 1, 5, 4}), lse = at::zeros({3, 1, 5});
   expect_error([&] { fused::msar_fuse(out, lse, q, x[0], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), 1e-6); },
@@ -282,6 +282,12 @@ MemoryUse measure(bool fused_impl, int64_t m, int64_t N, int64_t B, int64_t T, i
                                 at::randn({B, T, d}, g),       at::randn({m - 1, d, K}, g), at::randn({m, m * d}, g),
                                 at::randn({m}, g),             at::randn({1}, g)};
   for (auto& t : in) t.requires_grad_();
+  // The sources and banks as the pathway holds them: a list of leaves (each gradient its own).
+  std::vector<at::Tensor> sources, banks;
+  for (int64_t n = 0; n < N; ++n) {
+    sources.push_back(in[1][n].detach().clone().requires_grad_());
+    banks.push_back(in[2][n].detach().clone().requires_grad_());
+  }
   at::Tensor w = at::randn({B, T, d}, g);
   using A = TensorMemory;  // counts CPU tensor storage (src/depthkit/util/memory.h)
   A::install();
@@ -291,7 +297,7 @@ MemoryUse measure(bool fused_impl, int64_t m, int64_t N, int64_t B, int64_t T, i
     A::reset_peak();
     at::Tensor h;
     if (fused_impl) {
-      auto [out, lse] = fused::msar_read(in[0], in[1], in[2], kKeyNormEps);
+      auto [out, lse] = fused::msar_read(in[0], sources, banks, kKeyNormEps);
       h = fused::msar_fuse(out, lse, in[0], in[3], in[4], in[5], in[6], in[7], kKeyNormEps);
     } else {
       auto [out, lse] = read_ref(in[0], in[1], in[2]);

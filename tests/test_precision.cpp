@@ -198,8 +198,8 @@ TEST(Precision, ReferenceCompositionsComputeInFloat32ForBFloat16) {
 
   const int64_t m = 4, B = 2, T = 20;
   at::Tensor mq = bf({m, d}), src = bf({N, B, T, d}), taps = bf({N, m - 1, d, 5}, 0.3);
-  auto [m_out, m_lse] = reference::msar_read(mq, src, taps, kKeyNormEps);
-  auto [mf_out, mf_lse] = fused::msar_read(mq, src, taps, kKeyNormEps);
+  auto [m_out, m_lse] = reference::msar_read(mq, src.unbind(0), taps.unbind(0), kKeyNormEps);
+  auto [mf_out, mf_lse] = fused::msar_read(mq, src.unbind(0), taps.unbind(0), kKeyNormEps);
   EXPECT_EQ(m_out.scalar_type(), at::kBFloat16);
   EXPECT_EQ(m_lse.scalar_type(), at::kFloat);
   near(m_out, mf_out, 2 * kBf16Unit, "msar_read out");

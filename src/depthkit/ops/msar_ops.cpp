@@ -2,7 +2,7 @@
 // ops/schema.cpp defines), their CPU kernels (ops/cpu/msar_cpu.cpp), the Autograd kernels that
 // route the backward to the hand-written backward operators, and the C++ wrappers (msar_ops.h).
 //
-//   depthkit::msar_read(Tensor queries, Tensor sources, Tensor conv, float eps, int[]? kernel_lengths=None)
+//   depthkit::msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None)
 //       -> (Tensor out, Tensor log_partition)
 //   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
 //                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
@@ -29,11 +29,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using Lengths = c10::OptionalIntArrayRef;
-using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                   Lengths);
-using ReadBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
-                                                                   const at::Tensor&, const at::Tensor&,
-                                                                   const at::Tensor&, double, Lengths);
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double, Lengths);
+using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
+    const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, double,
+    Lengths);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                            const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths);
 using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -52,12 +51,15 @@ Lengths view(const std::optional<std::vector<int64_t>>& v) { return v ? Lengths(
 
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, at::TensorList x, at::TensorList c,
                                double eps, Lengths lengths) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::msar_read");
     auto [out, lse] = read.call(q, x, c, eps, lengths);
-    ctx->save_for_backward({q, x, c, lse});  // not `out`, not the expanded streams
+    variable_list saved = {q, lse};  // not `out`, not the expanded streams
+    saved.insert(saved.end(), x.begin(), x.end());
+    saved.insert(saved.end(), c.begin(), c.end());
+    ctx->save_for_backward(saved);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["lengths"] = keep(lengths);
     return {out, lse};
@@ -65,10 +67,16 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
     auto s = ctx->get_saved_variables();
+    const int64_t N = (int64_t(s.size()) - 2) / 2;
     const auto lengths = kept(ctx->saved_data["lengths"]);
-    auto [gq, gx, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], s[1], s[2], s[3],
-                                  ctx->saved_data["eps"].toDouble(), view(lengths));
-    return {gq, gx, gc, at::Tensor(), at::Tensor()};
+    auto [gq, gx, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], at::TensorList(s).slice(2, N),
+                                  at::TensorList(s).slice(2 + N, N), s[1], ctx->saved_data["eps"].toDouble(),
+                                  view(lengths));
+    variable_list out = {gq};  // one gradient per input of forward, in order
+    out.insert(out.end(), gx.begin(), gx.end());
+    out.insert(out.end(), gc.begin(), gc.end());
+    out.insert(out.end(), 2, at::Tensor());  // eps, lengths
+    return out;
   }
 };
 
@@ -96,7 +104,7 @@ class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c,
+std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, at::TensorList x, at::TensorList c,
                                                       double eps, Lengths lengths) {
   auto r = MsarReadFunction::apply(q, x, c, eps, lengths);
   return {r[0], r[1]};
@@ -111,10 +119,10 @@ at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
-  m.def("msar_read(Tensor queries, Tensor sources, Tensor conv, float eps, int[]? kernel_lengths=None) "
+  m.def("msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None) "
         "-> (Tensor, Tensor)");
-  m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor sources, "
-        "Tensor conv, Tensor log_partition, float eps, int[]? kernel_lengths=None) -> (Tensor, Tensor, Tensor)");
+  m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] sources, "
+        "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths=None) -> (Tensor, Tensor[], Tensor[])");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
         "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None) -> Tensor");
   m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "
@@ -136,8 +144,8 @@ TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
 
 namespace fused {
 
-std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps, c10::OptionalIntArrayRef kernel_lengths) {
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
+                                             double eps, c10::OptionalIntArrayRef kernel_lengths) {
   static auto read = op<ReadSig>("depthkit::msar_read");
   return read.call(queries, sources, conv, eps, kernel_lengths);
 }

@@ -21,15 +21,15 @@ namespace depthkit::fused {
 
 // Phase 1, per stream r and token: softmax over the N completed sources of the expanded keys =
 // values v⁽ʳ⁾ (eq. 10; stream 0 is the identity), keys normalised by weightless RMSNorm.
-//   queries [m, d], sources [N, B, T, d] (raw), conv [N, m−1, d, K] (source n's bank, taps
-//   zero-padded to the largest kernel K; conv[n, r−1, :, δ] weighs x_{t−δ})
+//   queries [m, d], sources: a list of N raw [B, T, d] (never stacked, ops/fused.h), conv: their N
+//   banks [m−1, d, K] (taps zero-padded to the largest kernel K; conv[n][r−1, :, δ] weighs x_{t−δ})
 //   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
 // For the conv = false ablation pass identity taps (ones, K = 1): every stream is the source.
 // kernel_lengths (m − 1 entries in 1 … K), when given: stream r's kernel has kernel_lengths[r − 1]
 // taps and the rest of its K are padding, neither read nor given a gradient (zero), so the
 // kernels skip both (Appendix C: κ = {4, 8, 12} padded to 12). Absent: all K taps are parameters.
-std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps,
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
+                                             double eps,
                                              c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
 
 // Phase 2 and fusion, per token: merges the block partial's expansion into each stream by

@@ -20,8 +20,9 @@ namespace depthkit {
 
 namespace {
 struct Sources final : PathwayState {
-  StackedHistory raw;   // completed sources, single-stream [B, T, d] each (expanded at each read)
-  StackedHistory taps;  // their banks, [m − 1, d, K] each
+  // The completed sources, single-stream [B, T, d] each (expanded at each read), and their banks
+  // [m − 1, d, K]: lists, never stacked (msar_ops.h).
+  std::vector<at::Tensor> raw, taps;
   at::Tensor partial;     // the current block's sum; undefined at block start
   at::Tensor last_input;  // h_ℓ of the last read (for the final residual merge)
   at::Tensor last_output; // f_ℓ(h_ℓ) of the last write
@@ -63,8 +64,8 @@ at::Tensor Msar::taps(int64_t bank) const {
 
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
-  s.raw.push(source);
-  s.taps.push(taps(bank));
+  s.raw.push_back(source);
+  s.taps.push_back(taps(bank));
 }
 
 std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
@@ -80,13 +81,14 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   auto read = ops_.fused("msar_read") ? fused::msar_read : reference::msar_read;
   auto fuse = ops_.fused("msar_fuse") ? fused::msar_fuse : reference::msar_fuse;
   // The parameters in the activations' dtype: the operators take one dtype.
-  const at::Tensor& sources = s.raw.stacked();
-  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, sources); };
+  auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, s.raw[0]); };
   const at::Tensor queries = in_dtype(b.queries);
   // The kernels' lengths: their taps past it are padding (Msar::taps), which the operators skip.
   const c10::OptionalIntArrayRef lengths = conv_ && m_ > 1 ? c10::OptionalIntArrayRef(kernels_) : std::nullopt;
   // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
-  auto [out, lse] = read(queries, sources, in_dtype(s.taps.stacked()), kKeyNormEps, lengths);
+  std::vector<at::Tensor> banks;
+  for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));
+  auto [out, lse] = read(queries, s.raw, banks, kKeyNormEps, lengths);
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
@@ -100,7 +102,7 @@ void Msar::observe_read(PathwayState& state, int64_t l) const {
   Sources& s = sources(state);
   std::vector<at::Tensor> expanded;
   for (size_t i = 0; i < s.raw.size(); ++i)
-    expanded.push_back(reference::msar_expand(s.raw.entries()[i], s.taps.entries()[i]));
+    expanded.push_back(reference::msar_expand(s.raw[i], s.taps[i]));
   at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
   at::Tensor part = schedule_.opens(l) ? at::Tensor() : reference::msar_expand(s.partial, taps(l - 1));
   for (int64_t r = 0; r < m_; ++r)

@@ -155,10 +155,17 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
       c.select(1, 1).narrow(-1, 8, K - 8).zero_();
       return c.requires_grad_();
     };
-    std::vector<at::Tensor> t = {leaf({m, d}, 0.5), leaf({N, B, T, d}), bank(N)};
+    // The sources and their banks as the lists the pathway passes.
+    std::vector<at::Tensor> t = {leaf({m, d}, 0.5)}, sources, banks;
+    for (int64_t n = 0; n < N; ++n) {
+      sources.push_back(leaf({B, T, d}));
+      banks.push_back(bank(1).squeeze(0).detach().requires_grad_());
+    }
+    t.insert(t.end(), sources.begin(), sources.end());
+    t.insert(t.end(), banks.begin(), banks.end());
     auto read = [=](auto op) {
       return [=] {
-        auto [o, lse] = op(t[0], t[1], t[2], kKeyNormEps, lengths);
+        auto [o, lse] = op(t[0], sources, banks, kKeyNormEps, lengths);
         return Outputs{o, lse};
       };
     };

@@ -2,8 +2,9 @@
 // fused partial merge + stream fusion (DAR eq. A.6–A.10; MSAR eq. 13–14), with hand-written
 // backward passes. The expanded streams are never written to memory (MSAR §3.4, Table 6).
 //
-// Layout: queries q [m, d]; raw sources x [N, B, T, d]; taps c [N, m−1, d, K] (zero-padded to the
-// largest kernel K; used here as [N, m−1, K, d] so the loops over d are contiguous); out [m, B, T, d];
+// Layout: queries q [m, d]; raw sources x: a list of N [B, T, d] (never stacked, kernel_math.h);
+// their banks c: a list of N [m−1, d, K] (zero-padded to the largest kernel K; used here stacked as
+// [N, m−1, K, d], a parameter-sized copy, so the loops over d are contiguous); out [m, B, T, d];
 // ζ [m, B, T]. Accumulation in float32 (float64 for float64 inputs); bfloat16 storage accepted;
 // expansions, normalised keys and weights live in thread-local buffers in the accumulation type.
 //
@@ -45,6 +46,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -91,18 +93,22 @@ acc_t hpre_gate(acc_t* pre, acc_t* y, const acc_t* z, const acc_t* W, const acc_
   return S;
 }
 
-void check_read(const at::Tensor& q, const at::Tensor& x, const at::Tensor& c) {
-  if (q.dim() != 2 || x.dim() != 4 || c.dim() != 4)
-    fail("msar_read: expected queries [m, d], sources [N, B, T, d], conv [N, m - 1, d, K]");
+void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c) {
+  if (x.empty()) fail("msar_read: needs at least one source");
+  if (q.dim() != 2 || x[0].dim() != 3) fail("msar_read: expected queries [m, d], sources [B, T, d] each");
   const int64_t m = q.size(0), d = q.size(1);
-  if (x.size(3) != d) fail("msar_read: queries have d = ", d, ", sources d = ", x.size(3));
-  if (x.size(0) < 1) fail("msar_read: needs at least one source");
   if (m < 1) fail("msar_read: needs at least one stream");
-  if (c.size(0) != x.size(0) || c.size(1) != m - 1 || c.size(2) != d || c.size(3) < 1)
-    fail("msar_read: conv ", c.sizes(), " does not match [N, m - 1, d, K] = [", x.size(0), ", ", m - 1, ", ", d,
-         ", K >= 1]");
-  if (q.scalar_type() != x.scalar_type() || c.scalar_type() != x.scalar_type())
-    fail("msar_read: queries, sources and conv must share a dtype");
+  if (x[0].size(2) != d) fail("msar_read: queries have d = ", d, ", sources d = ", x[0].size(2));
+  if (c.size() != x.size()) fail("msar_read: ", x.size(), " sources and ", c.size(), " banks (conv)");
+  for (size_t n = 0; n < x.size(); ++n) {
+    if (x[n].sizes() != x[0].sizes()) fail("msar_read: source ", n, " is ", x[n].sizes(), ", source 0 ", x[0].sizes());
+    if (c[n].dim() != 3 || c[n].size(0) != m - 1 || c[n].size(1) != d || c[n].size(2) < 1 ||
+        c[n].sizes() != c[0].sizes())
+      fail("msar_read: conv ", n, " is ", c[n].sizes(), ", expected [m - 1, d, K] = [", m - 1, ", ", d,
+           ", K >= 1] as conv 0");
+    if (x[n].scalar_type() != q.scalar_type() || c[n].scalar_type() != q.scalar_type())
+      fail("msar_read: queries, sources and conv must share a dtype");
+  }
 }
 
 struct FuseArgs {
@@ -160,22 +166,24 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
-                                                     const at::Tensor& conv, double eps,
+std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
+                                                     at::TensorList conv, double eps,
                                                      c10::OptionalIntArrayRef lengths_) {
   check_read(queries, sources, conv);
-  const auto acc_type = acc_type_of(sources);
-  const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type);
-  const std::vector<int64_t> used = taps_used(c, kernel_lengths(lengths_, conv.size(1), conv.size(3), "msar_read"));
-  const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
+  const auto acc_type = acc_type_of(queries);
+  const std::vector<at::Tensor> x = contiguous_all(sources);
+  const at::Tensor q = queries.to(acc_type).contiguous(), c = taps_kd(at::stack(conv), acc_type);
+  const int64_t K = c.size(-2);
+  const std::vector<int64_t> used = taps_used(c, kernel_lengths(lengths_, conv[0].size(0), K, "msar_read"));
+  const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t P = B * T;
-  at::Tensor out = at::empty({m, B, T, d}, x.options());
-  at::Tensor lse = at::empty({m, B, T}, x.options().dtype(acc_type));
+  at::Tensor out = at::empty({m, B, T, d}, x[0].options());
+  at::Tensor lse = at::empty({m, B, T}, x[0].options().dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const std::vector<const scalar_t*> xp = data_of<scalar_t>(x);
     const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     acc_t* lp = lse.mutable_data_ptr<acc_t>();
@@ -194,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
           for (int64_t n = 0; n < N; ++n) {
             acc_t* En = E.data() + n * kTile * d;
             const int64_t bank = n * (m - 1) + r - 1;
-            expand_tile(En, xp + ((n * B + b) * T + t0) * d, r == 0 ? nullptr : cp + bank * K * d,
+            expand_tile(En, xp[n] + (b * T + t0) * d, r == 0 ? nullptr : cp + bank * K * d,
                         r == 0 ? 1 : used[bank], t0, nt, d);  // eq. 10
             for (int64_t j = 0; j < nt; ++j) {
               const auto [ss, qv] = square_and_dot<acc_t>(En + j * d, qr, d);
@@ -220,40 +228,43 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
       }
     });
   };
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "msar_read_forward", [&] { kernel(scalar_t(0)); });
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries.scalar_type(), "msar_read_forward", [&] { kernel(scalar_t(0)); });
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out_opt,
-                                                                  const OptTensor& grad_lse_opt,
-                                                                  const at::Tensor& queries,
-                                                                  const at::Tensor& sources, const at::Tensor& conv,
-                                                                  const at::Tensor& lse_, double eps,
-                                                                  c10::OptionalIntArrayRef lengths_) {
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_backward(
+    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, at::TensorList sources,
+    at::TensorList conv, const at::Tensor& lse_, double eps, c10::OptionalIntArrayRef lengths_) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   check_read(queries, sources, conv);
-  const auto acc_type = acc_type_of(sources);
-  const at::Tensor x = sources.contiguous(), q = queries.to(acc_type).contiguous(), c = taps_kd(conv, acc_type),
+  const auto acc_type = acc_type_of(queries);
+  const std::vector<at::Tensor> x = contiguous_all(sources);
+  const at::Tensor q = queries.to(acc_type).contiguous(), c = taps_kd(at::stack(conv), acc_type),
                    lse = lse_.to(acc_type).contiguous();
-  const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv.size(1), conv.size(3), "msar_read");
+  const int64_t K = c.size(-2);
+  const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
   const std::vector<int64_t> used = taps_used(c, lengths);
-  const int64_t m = q.size(0), N = x.size(0), B = x.size(1), T = x.size(2), d = x.size(3), K = conv.size(3);
+  const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t P = B * T, L = m - 1;
-  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, x.options());
+  const auto options = x[0].options();
+  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({m, B, T}, lse.options());
-  at::Tensor gx = at::zeros({N, B, T, d}, x.options().dtype(acc_type));
+  std::vector<at::Tensor> gx;  // one per source
+  for (int64_t n = 0; n < N; ++n) gx.push_back(at::zeros({B, T, d}, options.dtype(acc_type)));
   const TileGroups tiles = tile_groups(B, T, K);  // one partial sum of ∂q and ∂c per group
-  at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, x.options().dtype(acc_type));
-  at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, x.options().dtype(acc_type));
+  at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, options.dtype(acc_type));
+  at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, options.dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t *xp = x.const_data_ptr<scalar_t>(), *gop = go.const_data_ptr<scalar_t>();
+    const std::vector<const scalar_t*> xp = data_of<scalar_t>(x);
+    const std::vector<acc_t*> gxp = mutable_data_of<acc_t>(gx);
+    const scalar_t* gop = go.const_data_ptr<scalar_t>();
     const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>(), *lp = lse.const_data_ptr<acc_t>(),
                 *glp = gl.const_data_ptr<acc_t>();
-    acc_t *gxp = gx.mutable_data_ptr<acc_t>(), *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
+    acc_t *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
           *gc_all = gc_parts.mutable_data_ptr<acc_t>();
     const int64_t pad = K - 1;  // zero rows of ∂v before and after a tile (expand_backward_tile)
     for_each_tile(tiles, T, [&](int64_t b, int64_t t0, int64_t t1, int64_t group) {
@@ -276,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
           for (int64_t n = 0; n < N; ++n) {
             acc_t* Vn = V.data() + n * kTile * d;
             const int64_t bank = n * L + r - 1;
-            expand_tile(Vn, xp + ((n * B + b) * T + u0) * d, r == 0 ? nullptr : cp + bank * K * d,
+            expand_tile(Vn, xp[n] + (b * T + u0) * d, r == 0 ? nullptr : cp + bank * K * d,
                         r == 0 ? 1 : used[bank], u0, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * kTile + j;
@@ -306,23 +317,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTenso
               for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
               axpy(gqr, ds, v, d);
             }
-            const int64_t row0 = (n * B + b) * T;
             const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
-            expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp + row0 * d,
+            expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
                                  r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank],
                                  r == 0 ? K : lengths[r - 1], K, u0, u1, d);
           }
         }
-        for (int64_t n = 0; n < N; ++n) add_rows(gxp + (n * B + b) * T * d, GX.data() + n * gx_rows * d, K, u0, u1, d);
+        for (int64_t n = 0; n < N; ++n) add_rows(gxp[n] + b * T * d, GX.data() + n * gx_rows * d, K, u0, u1, d);
       }
     });
   };
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
-  at::Tensor gq = gq_parts.sum(0).to(queries.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries.scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
+  const auto st = queries.scalar_type();
+  at::Tensor gq = gq_parts.sum(0).to(st);
   at::Tensor gc_kd = gc_parts.sum(0);  // [N, m−1, K, d]
   zero_padding(gc_kd, lengths);
-  at::Tensor gc = gc_kd.transpose(-1, -2).to(conv.scalar_type());  // [N, m−1, d, K]
-  return {gq, gx.to(sources.scalar_type()), gc};
+  std::vector<at::Tensor> gc = gc_kd.transpose(-1, -2).to(st).unbind(0);  // [m−1, d, K] per source
+  return {gq, to_all(gx, st), gc};
 }
 
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,

@@ -4,6 +4,7 @@
 #include <c10/util/OptionalArrayRef.h>
 
 #include <tuple>
+#include <vector>
 
 #include "depthkit/ops/optional_tensor.h"
 
@@ -12,18 +13,16 @@ namespace depthkit::cpu {
 // kernel_lengths (optional, m − 1 entries in 1 … K): each convolved stream's kernel length; the
 // taps after it are padding, neither read nor given a gradient (zero). Absent: all K taps.
 //
-// queries [m, d], sources [N, B, T, d] (raw single-stream), conv [N, m−1, d, K]
+// queries [m, d], sources: N raw single-stream [B, T, d], conv: their N banks [m−1, d, K]
 //   →  out [m, B, T, d], log_partition ζ [m, B, T] (float32; float64 for float64 inputs).
-std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, const at::Tensor& sources,
-                                                     const at::Tensor& conv, double eps,
+std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
+                                                     at::TensorList conv, double eps,
                                                      c10::OptionalIntArrayRef kernel_lengths);
-// Gradients of (out, ζ) → (queries, sources, conv). Either gradient may be undefined (zero).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> msar_read_backward(const OptTensor& grad_out,
-                                                                  const OptTensor& grad_lse,
-                                                                  const at::Tensor& queries,
-                                                                  const at::Tensor& sources, const at::Tensor& conv,
-                                                                  const at::Tensor& lse, double eps,
-                                                                  c10::OptionalIntArrayRef kernel_lengths);
+// Gradients of (out, ζ) → (queries, one per source, one per bank). Either gradient may be
+// undefined (zero).
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_backward(
+    const OptTensor& grad_out, const OptTensor& grad_lse, const at::Tensor& queries, at::TensorList sources,
+    at::TensorList conv, const at::Tensor& lse, double eps, c10::OptionalIntArrayRef kernel_lengths);
 
 // out [m, B, T, d], ζ [m, B, T], queries [m, d]; optional (undefined = absent): partial [B, T, d]
 // with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with b_pre [m] and

@@ -44,9 +44,10 @@ at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
   return at::stack(out);
 }
 
-std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, const at::Tensor& sources_,
-                                             const at::Tensor& conv_, double eps,
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, at::TensorList source_list,
+                                             at::TensorList conv_list, double eps,
                                              c10::OptionalIntArrayRef kernel_lengths) {
+  const at::Tensor sources_ = at::stack(source_list), conv_ = at::stack(conv_list);
   // As the fused kernel: the expansion and the reads in the accumulation dtype (the expanded
   // streams are never rounded to the sources' dtype), out stored in the sources' dtype, ζ not.
   const at::Tensor queries = widen(queries_, sources_), sources = widen(sources_, sources_),

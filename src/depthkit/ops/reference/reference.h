@@ -46,10 +46,10 @@ std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tenso
 // stream 0 the identity, stream r the causal depthwise convolution Σ_δ c[r − 1, :, δ] ⊙ x_{t−δ},
 // zero before position 0 (by grouped conv1d). Both MSAR references and the pathway's observer use it.
 at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank);
-// queries [m, d], sources [N, B, T, d], conv [N, m − 1, d, K] → out [m, B, T, d], ζ [m, B, T];
+// queries [m, d], sources: N [B, T, d], conv: N [m − 1, d, K] → out [m, B, T, d], ζ [m, B, T];
 // kernel_lengths as fused::msar_read takes them (the padding is masked to zero).
-std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, const at::Tensor& sources,
-                                             const at::Tensor& conv, double eps,
+std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
+                                             double eps,
                                              c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
 // out, ζ, queries as msar_read returns and takes them; partial [B, T, d] and partial_conv
 // [m − 1, d, K'] or both undefined; w_pre [m, m·d], b_pre [m], alpha_pre [1] or all undefined
