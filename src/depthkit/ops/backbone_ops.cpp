@@ -1,5 +1,5 @@
 // The backbone's fused operators: schemas, CPU kernels (ops/cpu/backbone_cpu.cpp; the linear
-// cross-entropy's here, as it is GEMMs and ATen's softmax over chunks) and Autograd kernels whose
+// cross-entropy's here, as it is GEMMs around a per-chunk softmax kernel) and Autograd kernels whose
 // backward is the hand-written backward operator.
 //
 //   depthkit::rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor inv_rms)
@@ -14,10 +14,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/_log_softmax.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -73,14 +73,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_impl(const a
   if (N == 0) fail("linear_cross_entropy: no tokens");
   const at::ScalarType acc = hidden_in.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor hidden = hidden_in.to(acc).contiguous(), weight = weight_in.to(acc).contiguous();
-  const at::Tensor tgt = targets.contiguous().unsqueeze(1);
+  const at::Tensor tgt = targets.contiguous();
   if (tgt.min().item<int64_t>() < 0 || tgt.max().item<int64_t>() >= V)
     fail("linear_cross_entropy: a target is outside the vocabulary [0, ", V, ")");
   const int64_t chunk =
       std::min(N, std::max(kMinChunkTokens, kChunkLogitBytes / (V * int64_t(c10::elementSize(acc)))));
   const double inv_n = 1.0 / double(N);
-  at::Tensor logits = at::empty({chunk, V}, hidden.options()), logp = at::empty({chunk, V}, hidden.options());
-  at::Tensor total = at::zeros({}, hidden.options());
+  at::Tensor logits = at::empty({chunk, V}, hidden.options());
+  double total = 0;
   at::Tensor g_hidden, g_weight;
   if (with_grad) {
     g_hidden = at::empty({N, d}, hidden.options());
@@ -88,23 +88,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_impl(const a
   }
   for (int64_t s = 0; s < N; s += chunk) {
     const int64_t n = std::min(chunk, N - s);
-    const at::Tensor h = hidden.narrow(0, s, n), t = tgt.narrow(0, s, n);
-    at::Tensor z = logits.narrow(0, 0, n), lp = logp.narrow(0, 0, n);
+    const at::Tensor h = hidden.narrow(0, s, n);
+    at::Tensor z = logits.narrow(0, 0, n);
     at::mm_out(z, h, weight.t());
-    at::_log_softmax_out(lp, z, 1, false);
-    const at::Tensor picked = lp.gather(1, t);
-    total.sub_(picked.sum());
+    // The chunk's loss, and with the gradient z becomes softmax − onehot(target) in place.
+    total += cpu::cross_entropy_rows(z, tgt.narrow(0, s, n), with_grad);
     if (!with_grad) continue;
-    at::Tensor p = lp.exp_();               // softmax
-    p.scatter_(1, t, picked.exp().sub_(1));  // − onehot(target)
     at::Tensor gh = g_hidden.narrow(0, s, n);
-    at::addmm_out(gh, gh, p, weight, 0.0, inv_n);  // β = 0: gh's old contents are not read
-    g_weight.addmm_(p.t(), h, 1.0, inv_n);
+    at::addmm_out(gh, gh, z, weight, 0.0, inv_n);  // β = 0: gh's old contents are not read
+    g_weight.addmm_(z.t(), h, 1.0, inv_n);
   }
-  total.mul_(inv_n);
   // The gradients stay in the accumulation dtype: the backward scales them by the upstream
   // gradient first and rounds to the inputs' dtype once.
-  return {total, g_hidden, g_weight};
+  return {at::scalar_tensor(total * inv_n, hidden.options()), g_hidden, g_weight};
 }
 
 at::Tensor linear_cross_entropy_cpu(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets) {

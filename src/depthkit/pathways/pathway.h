@@ -102,22 +102,6 @@ class ResidualPathway {
   PathwayObserver* observer_ = nullptr;
 };
 
-// The completed entries a pathway reads from, and their stack [N, ...], made once per new entry
-// and shared by every read until the next: the reads of a block take the same sources, so they
-// share one copy in the forward and one split of its gradient in the backward.
-class StackedHistory {
- public:
-  void push(at::Tensor entry);
-  void replace_last(at::Tensor entry);  // an intervention on the newest entry
-  const at::Tensor& stacked();
-  const std::vector<at::Tensor>& entries() const { return entries_; }
-  size_t size() const { return entries_.size(); }
-
- private:
-  std::vector<at::Tensor> entries_;
-  at::Tensor stacked_;  // undefined until asked for after a change
-};
-
 // Throws unless `states` holds `expected` tensors (for set_stream_states of pathway `kind`).
 void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind);
 

@@ -15,6 +15,12 @@
 // SwiGLU's activation (Shazeer 2020): out = silu(g) ⊙ u with σ = sigmoid(g), silu(g) = g σ.
 // Backward: ∂u = ∂out g σ,  ∂g = ∂out u σ (1 + g (1 − σ)).
 //
+// Cross-entropy of a chunk of logit rows z (the LM head's output, linear_cross_entropy): per row,
+// m = max z, S = Σ e^(z − m), loss = m + log S − z[target], in two passes; with the gradient, the
+// first pass leaves e^(z − m) in the row and the second scales it by 1/S and subtracts 1 at the
+// target, softmax − onehot, in place. (The float32 exponential clamps its argument at −87: a
+// logit 87 below the row's max counts e^−87 instead of less, 1e−38 of the sum.)
+//
 // (The vectorising pragmas inside the dtype dispatch are written _Pragma(...): a #pragma line
 // cannot stand in AT_DISPATCH's macro argument.)
 #include "depthkit/ops/cpu/backbone_cpu.h"
@@ -29,6 +35,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "depthkit/ops/cpu/kernel_math.h"
 #include "depthkit/util/error.h"
@@ -292,6 +299,49 @@ at::Tensor swiglu_backward(const at::Tensor& grad_in, const at::Tensor& gu_in) {
     });
   });
   return out;
+}
+
+double cross_entropy_rows(const at::Tensor& z, const at::Tensor& targets, bool gradient) {
+  if (z.dim() != 2 || !z.is_contiguous() || targets.dim() != 1 || targets.size(0) != z.size(0) ||
+      targets.scalar_type() != at::kLong)
+    fail("cross_entropy_rows: expected contiguous logits [n, V] and int64 targets [n], got ", z.sizes(), " and ",
+         targets.sizes());
+  const int64_t n = z.size(0), V = z.size(1);
+  const at::Tensor t = targets.contiguous();
+  std::vector<double> loss(n);  // per row, summed in order below: independent of the thread count
+  AT_DISPATCH_FLOATING_TYPES(z.scalar_type(), "cross_entropy_rows", [&] {
+    scalar_t* zp = z.mutable_data_ptr<scalar_t>();
+    const int64_t* tp = t.const_data_ptr<int64_t>();
+    at::parallel_for(0, n, grain(4 * V), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        scalar_t* row = zp + r * V;
+        const scalar_t target_logit = row[tp[r]];
+        scalar_t mx = row[0];
+        _Pragma("omp simd reduction(max : mx)")
+        for (int64_t i = 0; i < V; ++i) mx = row[i] > mx ? row[i] : mx;
+        scalar_t sum = 0;
+        if (gradient) {
+          _Pragma("omp simd reduction(+ : sum)")
+          for (int64_t i = 0; i < V; ++i) {
+            const scalar_t e = exp_vectorisable(row[i] - mx);
+            row[i] = e;
+            sum += e;
+          }
+          const scalar_t inv = scalar_t(1) / sum;
+          _Pragma("omp simd")
+          for (int64_t i = 0; i < V; ++i) row[i] *= inv;
+          row[tp[r]] -= scalar_t(1);
+        } else {
+          _Pragma("omp simd reduction(+ : sum)")
+          for (int64_t i = 0; i < V; ++i) sum += exp_vectorisable(row[i] - mx);
+        }
+        loss[r] = double(mx) + std::log(double(sum)) - double(target_logit);
+      }
+    });
+  });
+  double total = 0;
+  for (double l : loss) total += l;
+  return total;
 }
 
 }  // namespace depthkit::cpu

@@ -30,4 +30,9 @@ at::Tensor swiglu_forward(const at::Tensor& gate_up);
 // ∂out [..., F] → ∂gate_up [..., 2F].
 at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& gate_up);
 
+// Logits z [n, V] (contiguous float32/float64), targets [n] (int64, in range) → Σ_rows
+// −log softmax(z_row)[target] (in float64); with `gradient`, z is overwritten by
+// softmax(z) − onehot(target), row by row (the gradient of that sum).
+double cross_entropy_rows(const at::Tensor& z, const at::Tensor& targets, bool gradient);
+
 }  // namespace depthkit::cpu
