@@ -19,6 +19,7 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/shared_source.h"
 #include "helpers.h"
 #include "op_checks.h"
 
@@ -185,22 +186,66 @@ TEST(FusedDepthRead, BadShapesAreClearErrors) {
   expect_error([&] { fused::depth_read(q, {}, {}, kKeyNormEps); }, {"depth_read", "at least one source"});
 }
 
-// The history is a list: each source's gradient is a tensor of its own (not a slice of one stack),
-// which autograd can add to in place over the reads that take the source.
-TEST(FusedDepthRead, EachSourceGetsItsOwnGradient) {
+// ---- Shared sources (ops/shared_source.h) -----------------------------------------------------
+
+// A shared source's reads add into one buffer; a plain source, or the second place of a source in
+// one call, gets a buffer of the read's own, which autograd then receives.
+TEST(SharedSource, TheReadsOfASourceShareOneBuffer) {
   auto g = generator(13);
-  at::Tensor q = at::randn({2, 8}, g);
-  const std::vector<at::Tensor> k = at::randn({3, 5, 8}, g).unbind(0), v = at::randn({3, 5, 8}, g).unbind(0);
-  auto [out, lse] = fused::depth_read(q, k, v, kKeyNormEps);
-  for (const auto& values : {v, std::vector<at::Tensor>()}) {
-    auto [gq, gk, gv] = cpu::depth_read_backward(at::ones_like(out), at::ones_like(lse), q, k, values, lse, kKeyNormEps);
-    ASSERT_EQ(gk.size(), 3u);
-    ASSERT_EQ(gv.size(), values.size());
-    for (const auto* grads : {&gk, &gv})
-      for (const at::Tensor& t : *grads) {
-        EXPECT_FALSE(t.is_view());
-        EXPECT_EQ(t.storage().use_count(), 1);
-      }
+  const at::Tensor x = at::randn({4, 3}, g).to(at::kDouble).requires_grad_();
+  const at::Tensor shared = fused::shared_source(x * 2), plain = x * 3;
+  const SourceGradients first = source_gradients({shared, plain, shared}, at::kDouble);
+  EXPECT_EQ(first.own, (std::vector<bool>{false, true, true}));
+  const SourceGradients second = source_gradients({shared}, at::kDouble);
+  EXPECT_FALSE(second.own[0]);
+  EXPECT_EQ(second.buffers[0].data_ptr(), first.buffers[0].data_ptr());
+  EXPECT_EQ(first.buffers[1].data_ptr() == first.buffers[2].data_ptr(), false);
+  const auto handed = first.for_autograd(at::kDouble);
+  EXPECT_FALSE(handed[0].defined());
+  EXPECT_TRUE(handed[1].defined());
+  const at::NoGradGuard no_grad;  // nothing recorded: the tensor itself
+  EXPECT_TRUE(fused::shared_source(x).is_same(x));
+}
+
+// Every fused read of the history (depth_read with and without values, dar_read, msar_read) gives
+// the same gradients whether its sources are shared or plain, in float64: with a source twice in
+// one read, the keys' list as the values', another consumer of a source, and a second backward
+// over the same graph (retain_graph).
+TEST(SharedSource, GradientsEqualAutogradsSums) {
+  const int64_t B = 2, T = 5, d = 6, N = 3, P = B * T;
+  auto g = generator(29);
+  auto leaf = [&](at::IntArrayRef sizes) { return at::randn(sizes, g).to(at::kDouble).requires_grad_(); };
+  std::vector<at::Tensor> leaves;
+  for (int64_t i = 0; i < 2 * N; ++i) leaves.push_back(leaf({P, d}));
+  const at::Tensor q = leaf({2, d}), conv = leaf({N, 1, d, 3}), gates_w = leaf({2, 2 * d}), gates_b = leaf({2});
+  auto loss = [&](bool shared) {
+    auto source = [&](const at::Tensor& t) { return shared ? fused::shared_source(t) : t; };
+    std::vector<at::Tensor> h0, h1, streams;
+    for (int64_t i = 0; i < N; ++i) {
+      h0.push_back(source(leaves[i] * 1.5));
+      h1.push_back(source(leaves[N + i] * 0.5));
+      streams.push_back(source(leaves[i].view({B, T, d}) - 1));
+    }
+    at::Tensor total = (h0[0] * h0[0]).sum();  // a consumer that is no read
+    total = total + std::get<0>(fused::depth_read(q, h0, {}, kKeyNormEps)).pow(2).sum();
+    total = total + std::get<0>(fused::depth_read(q, h0, h1, kKeyNormEps)).sin().sum();
+    total = total + std::get<0>(fused::depth_read(q, h1, h1, kKeyNormEps)).cos().sum();
+    total = total + std::get<0>(fused::depth_read(q, {h0[1], h1[2], h0[1]}, {}, kKeyNormEps)).sum();
+    fused::DarRead r = fused::dar_read(q, h0, h1, at::Tensor(), at::Tensor(), gates_w, gates_b, gates_w, gates_b,
+                                       {1, 0}, {0, 1}, kKeyNormEps);
+    total = total + r.h.pow(2).sum() + r.beta.sum();
+    const std::vector<at::Tensor> banks = conv.unbind(0);
+    total = total + std::get<0>(fused::msar_read(q, streams, banks, kKeyNormEps)).tanh().sum();
+    return total;
+  };
+  std::vector<at::Tensor> inputs = leaves;
+  for (const at::Tensor& t : {q, conv, gates_w, gates_b}) inputs.push_back(t);
+  const auto plain = torch::autograd::grad({loss(false)}, inputs);
+  const at::Tensor shared_loss = loss(true);
+  for (int pass = 0; pass < 2; ++pass) {
+    const auto shared = torch::autograd::grad({shared_loss}, inputs, {}, /*retain_graph=*/pass == 0);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      EXPECT_TRUE(at::allclose(shared[i], plain[i], 1e-12, 1e-12)) << "input " << i << ", backward " << pass;
   }
 }
 

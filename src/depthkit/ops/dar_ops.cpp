@@ -6,7 +6,8 @@
 //                      int[] value_stream, float eps) -> (Tensor h, Tensor beta, Tensor log_partition)
 //   depthkit::dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho,
 //                       float eps) -> (Tensor p0, Tensor p1)
-//   and their *_backward operators.
+//   and their *_backward operators. dar_read_backward adds the entries' gradients into the buffers
+//   it is given (Tensor(a!)[], ops/shared_source.h) and returns the others.
 #include "depthkit/ops/dar_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,6 +16,7 @@
 
 #include "depthkit/ops/cpu/dar_cpu.h"
 #include "depthkit/ops/registration.h"
+#include "depthkit/ops/shared_source.h"
 
 namespace depthkit {
 
@@ -29,7 +31,8 @@ using ReadSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using ReadBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList,
                                             at::TensorList, const OptTensor&, const OptTensor&, const at::Tensor&,
                                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                            const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double);
+                                            const at::Tensor&, at::IntArrayRef, at::IntArrayRef, double,
+                                            at::TensorList, at::TensorList);
 using WriteSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&,
                                                     const OptTensor&, const OptTensor&, const OptTensor&, double);
 using WriteBackSig = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
@@ -65,12 +68,15 @@ class DarReadFunction : public torch::autograd::Function<DarReadFunction> {
     const int64_t N = (int64_t(s.size()) - 8) / 2;
     const at::TensorList h0 = at::TensorList(s).slice(8, N), h1 = at::TensorList(s).slice(8 + N, N);
     auto key = ctx->saved_data["key"].toIntVector(), value = ctx->saved_data["value"].toIntVector();
-    // [∂q, ∂p0, ∂p1, ∂W_α, ∂b_α, ∂W_β, ∂b_β, ∂h0 × N, ∂h1 × N] (cpu/dar_cpu.h)
+    // The entries' gradients go into buffers (ops/shared_source.h), the rest are returned:
+    // [∂q, ∂p0, ∂p1, ∂W_α, ∂b_α, ∂W_β, ∂b_β] (cpu/dar_cpu.h).
+    const SourceGradients gh = source_gradients(at::TensorList(s).slice(8, 2 * N), s[7].scalar_type());
+    const at::TensorList buffers(gh.buffers);
     auto g = back.call(wrap(grads[0]), wrap(grads[1]), s[0], h0, h1, wrap(s[1]), wrap(s[2]), s[3], s[4], s[5], s[6],
-                       s[7], key, value, ctx->saved_data["eps"].toDouble());
-    // One gradient per input of forward, in order.
+                       s[7], key, value, ctx->saved_data["eps"].toDouble(), buffers.slice(0, N), buffers.slice(N, N));
+    // One gradient per input of forward, in order (none for a shared entry: its buffer carries it).
     variable_list out = {g[0]};
-    out.insert(out.end(), g.begin() + 7, g.end());
+    for (at::Tensor& t : gh.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     out.insert(out.end(), g.begin() + 1, g.begin() + 7);
     out.insert(out.end(), 3, at::Tensor());  // key, value, eps
     return out;
@@ -121,7 +127,7 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
         "Tensor w_beta, Tensor b_beta, int[] key_stream, int[] value_stream, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("dar_read_backward(Tensor? grad_h, Tensor? grad_beta, Tensor queries, Tensor[] h0, Tensor[] h1, Tensor? p0, "
         "Tensor? p1, Tensor w_alpha, Tensor b_alpha, Tensor w_beta, Tensor b_beta, Tensor log_partition, "
-        "int[] key_stream, int[] value_stream, float eps) -> Tensor[]");
+        "int[] key_stream, int[] value_stream, float eps, Tensor(a!)[] grad_h0, Tensor(b!)[] grad_h1) -> Tensor[]");
   m.def("dar_write(Tensor f, Tensor beta, Tensor? p0, Tensor? p1, Tensor? w_rho, Tensor? b_rho, float eps) "
         "-> (Tensor, Tensor)");
   m.def("dar_write_backward(Tensor? grad0, Tensor? grad1, Tensor f, Tensor beta, Tensor? p0, Tensor? p1, "

@@ -7,7 +7,8 @@
 //   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
 //                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
 //                       int[]? kernel_lengths=None) -> Tensor
-//   and their *_backward operators.
+//   and their *_backward operators. msar_read_backward adds the sources' gradients into the buffers
+//   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and banks.
 //
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
 // (msar_fuse, whose `out` input is msar_read's output). Expanded streams, normalised keys,
@@ -20,6 +21,7 @@
 
 #include "depthkit/ops/cpu/msar_cpu.h"
 #include "depthkit/ops/registration.h"
+#include "depthkit/ops/shared_source.h"
 
 namespace depthkit {
 
@@ -30,9 +32,9 @@ using torch::autograd::variable_list;
 
 using Lengths = c10::OptionalIntArrayRef;
 using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double, Lengths);
-using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
-    const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, double,
-    Lengths);
+using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(const OptTensor&, const OptTensor&,
+                                                                     const at::Tensor&, at::TensorList, at::TensorList,
+                                                                     const at::Tensor&, double, Lengths, at::TensorList);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                            const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths);
 using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -69,11 +71,13 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
     auto s = ctx->get_saved_variables();
     const int64_t N = (int64_t(s.size()) - 2) / 2;
     const auto lengths = kept(ctx->saved_data["lengths"]);
-    auto [gq, gx, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], at::TensorList(s).slice(2, N),
-                                  at::TensorList(s).slice(2 + N, N), s[1], ctx->saved_data["eps"].toDouble(),
-                                  view(lengths));
-    variable_list out = {gq};  // one gradient per input of forward, in order
-    out.insert(out.end(), gx.begin(), gx.end());
+    const at::TensorList sources = at::TensorList(s).slice(2, N);
+    const SourceGradients gx = source_gradients(sources, s[1].scalar_type());  // ζ: the accumulation dtype
+    auto [gq, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], sources, at::TensorList(s).slice(2 + N, N), s[1],
+                              ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
+    // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
+    variable_list out = {gq};
+    for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     out.insert(out.end(), gc.begin(), gc.end());
     out.insert(out.end(), 2, at::Tensor());  // eps, lengths
     return out;
@@ -122,7 +126,8 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
   m.def("msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None) "
         "-> (Tensor, Tensor)");
   m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] sources, "
-        "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths=None) -> (Tensor, Tensor[], Tensor[])");
+        "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths, Tensor(a!)[] grad_sources) "
+        "-> (Tensor, Tensor[])");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
         "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None) -> Tensor");
   m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "

@@ -5,11 +5,12 @@
 //   depthkit::depth_read(Tensor queries, Tensor[] keys, Tensor[] values, float eps) -> (Tensor out, Tensor log_partition)
 //   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, float eps) -> Tensor
 // The keys and values of depth_read are lists of sources, one tensor per history entry: a pathway
-// appends an entry without copying its history, and each source's gradient is a tensor of its
-// own, which autograd adds to in place over the reads that take it. Missing values (an empty list,
-// or value_part None) are the keys themselves (AttnRes: keys = values = sources): then the kernels
-// write one gradient instead of two that autograd would add.
-//   and their *_backward operators.
+// appends an entry without copying its history. Missing values (an empty list, or value_part
+// None) are the keys themselves (AttnRes: keys = values = sources): then the kernels write one
+// gradient instead of two that autograd would add.
+//   and their *_backward operators. depth_read_backward returns the queries' gradient and adds the
+// sources' into the buffers it is given (Tensor(a!)[]): one per source, in the accumulation dtype
+// (ζ's), which for a shared source (ops/shared_source.h) is the one buffer of all its reads.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -17,6 +18,7 @@
 #include "depthkit/ops/cpu/depth_read_cpu.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/registration.h"
+#include "depthkit/ops/shared_source.h"
 
 namespace depthkit {
 
@@ -26,8 +28,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double);
-using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>(
-    const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList, at::TensorList, const at::Tensor&, double);
+using ReadBackSig = at::Tensor(const OptTensor&, const OptTensor&, const at::Tensor&, at::TensorList, at::TensorList,
+                               const at::Tensor&, double, at::TensorList, at::TensorList);
 using MergeSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                             double);
 using MergeBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
@@ -57,12 +59,14 @@ class DepthReadFunction : public torch::autograd::Function<DepthReadFunction> {
     auto s = ctx->get_saved_variables();
     const auto N = ctx->saved_data["keys"].toInt(), V = int64_t(s.size()) - 2 - N;
     const at::TensorList keys = at::TensorList(s).slice(1, N), values = at::TensorList(s).slice(1 + N, V);
-    auto [gq, gk, gv] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], keys, values, s.back(),
-                                  ctx->saved_data["eps"].toDouble());
-    // One gradient per input of forward, in order: the query, each key, each value, eps.
+    const SourceGradients g = source_gradients(at::TensorList(s).slice(1, N + V), s.back().scalar_type());
+    const at::TensorList buffers(g.buffers);
+    at::Tensor gq = back.call(wrap(grads[0]), wrap(grads[1]), s[0], keys, values, s.back(),
+                              ctx->saved_data["eps"].toDouble(), buffers.slice(0, N), buffers.slice(N, V));
+    // One gradient per input of forward, in order: the query, each key, each value (none for a
+    // shared source: its buffer carries it), eps.
     variable_list out = {gq};
-    out.insert(out.end(), gk.begin(), gk.end());
-    out.insert(out.end(), gv.begin(), gv.end());
+    for (at::Tensor& t : g.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     out.emplace_back();
     return out;
   }
@@ -102,7 +106,8 @@ at::Tensor depth_merge_autograd(const at::Tensor& out, const at::Tensor& lse, co
 TORCH_LIBRARY(depthkit, m) {
   m.def("depth_read(Tensor queries, Tensor[] keys, Tensor[] values, float eps) -> (Tensor, Tensor)");
   m.def("depth_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] keys, "
-        "Tensor[] values, Tensor log_partition, float eps) -> (Tensor, Tensor[], Tensor[])");
+        "Tensor[] values, Tensor log_partition, float eps, Tensor(a!)[] grad_keys, Tensor(b!)[] grad_values) "
+        "-> Tensor");
   m.def("depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, "
         "float eps) -> Tensor");
   m.def("depth_merge_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor query, Tensor key_part, "

@@ -10,6 +10,7 @@
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/shared_source.h"
 #include "depthkit/pathways/registry.h"
 
 namespace depthkit {
@@ -17,12 +18,14 @@ namespace depthkit {
 namespace {
 struct History final : PathwayState {
   // The sources as the read takes them, a list of [B·T, d] (views of [B, T, d]): the embedding,
-  // then the completed block summaries. Appending one copies nothing (depth_read, ops/fused.h).
+  // then the completed block summaries. Appending one copies nothing (depth_read, ops/fused.h);
+  // each is a shared source, whose gradient the reads add into one buffer (ops/shared_source.h).
   std::vector<at::Tensor> completed;
   std::vector<at::Tensor> values;  // SepV: W_{v,r}·source, mapped once when appended; else empty
   at::Tensor partial;              // sum of the current block's outputs [B, T, d]; undefined at block start
   int64_t B = 0, T = 0, d = 0;
   at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
+  at::Tensor source(const at::Tensor& x) const { return fused::shared_source(flat(x)); }
   at::Tensor stacked() const { return at::stack(completed).view({-1, B, T, d}); }  // for the observer
 };
 History& history(PathwayState& s) { return static_cast<History&>(s); }
@@ -50,8 +53,8 @@ AttnRes::AttnRes(const ResidualConfig& residual, const ModelConfig& model, Param
 std::unique_ptr<PathwayState> AttnRes::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<History>();
   s->B = embedding.size(0), s->T = embedding.size(1), s->d = embedding.size(2);
-  s->completed.push_back(s->flat(embedding));
-  if (!value_maps_.empty()) s->values.push_back(s->flat(value(0, embedding)));
+  s->completed.push_back(s->source(embedding));
+  if (!value_maps_.empty()) s->values.push_back(s->source(value(0, embedding)));
   return s;
 }
 
@@ -90,8 +93,8 @@ void AttnRes::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   History& s = history(state);
   s.partial = schedule_.opens(l) ? out : s.partial + out;
   if (schedule_.closes(l)) {  // block boundary (the last block may be shorter)
-    if (!value_maps_.empty()) s.values.push_back(s.flat(value(s.completed.size(), s.partial)));
-    s.completed.push_back(s.flat(s.partial));
+    if (!value_maps_.empty()) s.values.push_back(s.source(value(s.completed.size(), s.partial)));
+    s.completed.push_back(s.source(s.partial));
     s.partial = at::Tensor();
   }
 }

@@ -11,6 +11,7 @@
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/shared_source.h"
 #include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 
@@ -76,8 +77,9 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
 std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<DualHistory>();
   s->B = embedding.size(0), s->T = embedding.size(1), s->d = embedding.size(2);
-  s->h0.push_back(s->flat(embedding));  // H_0 = [e, e]
-  s->h1.push_back(s->h0.back());
+  // H_0 = [e, e]; every entry a shared source (ops/shared_source.h), one per stream.
+  s->h0.push_back(fused::shared_source(s->flat(embedding)));
+  s->h1.push_back(fused::shared_source(s->flat(embedding)));
   return s;
 }
 
@@ -110,8 +112,8 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   std::tie(s.p0, s.p1) = write(s.flat(out), s.beta, s.p0, s.p1, transport ? cast_like(b.w_rho, out) : at::Tensor(),
                                transport ? cast_like(b.b_rho, out) : at::Tensor(), kKeyNormEps);
   if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
-    s.h0.push_back(s.p0);
-    s.h1.push_back(s.p1);
+    s.h0.push_back(fused::shared_source(s.p0));
+    s.h1.push_back(fused::shared_source(s.p1));
     s.p0 = s.p1 = at::Tensor();
   }
 }

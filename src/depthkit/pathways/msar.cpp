@@ -13,6 +13,7 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/shared_source.h"
 #include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 
@@ -64,7 +65,7 @@ at::Tensor Msar::taps(int64_t bank) const {
 
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
-  s.raw.push_back(source);
+  s.raw.push_back(fused::shared_source(source));  // its reads add its gradient into one buffer
   s.taps.push_back(taps(bank));
 }
 

@@ -242,7 +242,8 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
                                           const OptTensor& p0_opt, const OptTensor& p1_opt, const at::Tensor& w_alpha,
                                           const at::Tensor& b_alpha, const at::Tensor& w_beta,
                                           const at::Tensor& b_beta, const at::Tensor& lse_,
-                                          at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps) {
+                                          at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps,
+                                          at::TensorList gH0, at::TensorList gH1) {
   const at::Tensor grad_h_ = unwrap(grad_h_opt);
   const at::Tensor grad_beta_ = unwrap(grad_beta_opt);
   const at::Tensor p0_ = unwrap(p0_opt);
@@ -258,10 +259,12 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
   const auto acc_opt = q.options().dtype(acc);
   const at::Tensor gh = grad_h_.defined() ? grad_h_.contiguous() : at::zeros({P, d}, q.options());
   const at::Tensor gb = grad_beta_.defined() ? grad_beta_.contiguous() : at::zeros({P, 2}, q.options());
-  // Candidate gradients, one tensor each: every token's rows are written by the thread that owns it.
-  const std::vector<at::Tensor> gH0 = empty_list(N, {P, d}, acc_opt), gH1 = empty_list(N, {P, d}, acc_opt);
-  at::Tensor gP0 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
-  at::Tensor gP1 = p0.defined() ? at::empty({P, d}, acc_opt) : at::Tensor();
+  // Candidate gradients, one tensor each, added to: the entries' buffers given, the partials' own.
+  // Every token's rows are written by the thread that owns it.
+  check_gradient_buffers("dar_read_backward: grad_h0", gH0, N, {P, d}, acc);
+  check_gradient_buffers("dar_read_backward: grad_h1", gH1, N, {P, d}, acc);
+  at::Tensor gP0 = p0.defined() ? at::zeros({P, d}, acc_opt) : at::Tensor();
+  at::Tensor gP1 = p0.defined() ? at::zeros({P, d}, acc_opt) : at::Tensor();
   // Partial sums per block of tokens (kernel_math.h) of the token-summed gradients: q [2, d],
   // W_α, W_β [2, 2d], b_α, b_β [2].
   const int64_t part = 2 * d + 8 * d + 4;
@@ -287,8 +290,6 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
         acc_t* gq = parts_p + sum_block(p) * part;  // [2, d]
         acc_t *gwa = gq + 2 * d, *gwb = gwa + 4 * d, *gba = gwb + 4 * d, *gbb = gba + 2;
         logits<acc_t>(cand, qp, routing, p, eps, a.data(), s.data());
-        for (int st = 0; st < 2; ++st)
-          for (int64_t c = 0; c < C; ++c) std::fill_n(grad_at(st, c, p), d, acc_t(0));
         // Recompute the reads from ζ: z_j = Σ_c exp(a_c − ζ_j) V_c.
         for (int j = 0; j < 2; ++j) {
           const int vs = int(routing.value[j]);
@@ -341,16 +342,13 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
     for (int64_t x : shape) n *= x;
     return total.narrow(0, offset, n).view(shape).to(st);
   };
-  std::vector<at::Tensor> out = {piece(0, {2, d}),
-                                 gP0.defined() ? gP0.to(st) : at::Tensor(),
-                                 gP1.defined() ? gP1.to(st) : at::Tensor(),
-                                 piece(2 * d, {2, 2 * d}),
-                                 piece(10 * d, {2}),
-                                 piece(6 * d, {2, 2 * d}),
-                                 piece(10 * d + 2, {2})};
-  for (const auto* list : {&gH0, &gH1})
-    for (const at::Tensor& g : *list) out.push_back(g.to(st));
-  return out;
+  return {piece(0, {2, d}),
+          gP0.defined() ? gP0.to(st) : at::Tensor(),
+          gP1.defined() ? gP1.to(st) : at::Tensor(),
+          piece(2 * d, {2, 2 * d}),
+          piece(10 * d, {2}),
+          piece(6 * d, {2, 2 * d}),
+          piece(10 * d + 2, {2})};
 }
 
 std::tuple<at::Tensor, at::Tensor> dar_write_forward(const at::Tensor& f_, const at::Tensor& beta_,

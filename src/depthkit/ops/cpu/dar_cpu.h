@@ -23,15 +23,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dar_read_forward(
     const OptTensor& p1, const at::Tensor& w_alpha, const at::Tensor& b_alpha, const at::Tensor& w_beta,
     const at::Tensor& b_beta, at::IntArrayRef key_stream, at::IntArrayRef value_stream, double eps);
 
-// Gradients of (h, β) → [queries, p0, p1, w_alpha, b_alpha, w_beta, b_beta, then one per entry of
-// h0, then of h1]; p0, p1's gradients are undefined when p0, p1 are. Either incoming gradient may
-// be undefined (zero).
+// Gradients of (h, β) → [queries, p0, p1, w_alpha, b_alpha, w_beta, b_beta] (p0, p1's undefined
+// when p0, p1 are), and those of the entries of h0 and h1 added into grad_h0 and grad_h1: one
+// buffer per entry, [P, d] in the accumulation dtype (ops/shared_source.h). Either incoming
+// gradient may be undefined (zero).
 std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h, const OptTensor& grad_beta,
                                           const at::Tensor& queries, at::TensorList h0, at::TensorList h1,
                                           const OptTensor& p0, const OptTensor& p1, const at::Tensor& w_alpha,
                                           const at::Tensor& b_alpha, const at::Tensor& w_beta,
                                           const at::Tensor& b_beta, const at::Tensor& lse, at::IntArrayRef key_stream,
-                                          at::IntArrayRef value_stream, double eps);
+                                          at::IntArrayRef value_stream, double eps, at::TensorList grad_h0,
+                                          at::TensorList grad_h1);
 
 // f [P, d], β [P, 2]; p0, p1 [P, d] and w_rho [1, 2d], b_rho [1], or all undefined (first branch
 // of a block)  →  the new partial (P⁰, P¹), [P, d] each.

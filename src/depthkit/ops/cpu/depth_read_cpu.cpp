@@ -116,9 +116,9 @@ std::tuple<at::Tensor, at::Tensor> depth_read_forward(const at::Tensor& queries,
   return {out, lse};
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_read_backward(
-    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, at::TensorList keys,
-    at::TensorList values_, const at::Tensor& lse_, double eps) {
+at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries,
+                               at::TensorList keys, at::TensorList values_, const at::Tensor& lse_, double eps,
+                               at::TensorList gk, at::TensorList gv) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
@@ -130,13 +130,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_r
   const int64_t M = q.size(0), N = int64_t(k.size()), P = k[0].size(0), d = k[0].size(1);
   const auto acc_type = lse.scalar_type();
   const auto options = k[0].options();
+  check_gradient_buffers("depth_read_backward: grad_keys", gk, N, {P, d}, acc_type);
+  check_gradient_buffers("depth_read_backward: grad_values", gv, shared ? 0 : N, {P, d}, acc_type);
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({M, P}, lse.options());
-  // Gradients of keys and values are accumulated per token (no two threads share a token), one
-  // tensor per source; the query gradient is a sum over tokens: one partial sum per block of
-  // tokens (kernel_math.h).
-  const std::vector<at::Tensor> gk = empty_list(N, {P, d}, options.dtype(acc_type));
-  const std::vector<at::Tensor> gv = shared ? gk : empty_list(N, {P, d}, options.dtype(acc_type));
+  // Gradients of keys and values are added per token (no two threads share a token) into the
+  // buffers given, one per source; the query gradient is a sum over tokens: one partial sum per
+  // block of tokens (kernel_math.h).
   at::Tensor gq_parts = at::zeros({sum_blocks(P), M, d}, options.dtype(acc_type));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "depth_read_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -144,7 +144,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_r
     const std::vector<const scalar_t*> kp = data_of<scalar_t>(k), vp = data_of<scalar_t>(v);
     const scalar_t* gop = go.const_data_ptr<scalar_t>();
     const acc_t *lp = lse.const_data_ptr<acc_t>(), *glp = gl.const_data_ptr<acc_t>();
-    const std::vector<acc_t*> gkp = mutable_data_of<acc_t>(gk), gvp = mutable_data_of<acc_t>(gv);
+    const std::vector<acc_t*> gkp = mutable_data_of<acc_t>(gk), gvp = mutable_data_of<acc_t>(shared ? gk : gv);
     acc_t* gq_all = gq_parts.mutable_data_ptr<acc_t>();
     parallel_for_blocks(P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
@@ -172,30 +172,20 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_r
             w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
             g_out += w[r] * gdotv[r];
           }
-          // Each source's gradients in one pass: the first target writes them, later ones add.
+          // Each source's gradients in one pass, added to what the buffers hold.
           for (int64_t r = 0; r < N; ++r) {
             const scalar_t* kr = kp[r] + p * d;
             const acc_t da = w[r] * (gdotv[r] - g_out) + glp[m * P + p] * w[r];
             const acc_t a_q = da * s[r], a_k = -da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
             const acc_t a_g = shared ? w[r] : acc_t(0);  // shared values: ∂v_r lands on ∂k_r
-            acc_t* gkr = gkp[r] + p * d;
-            acc_t* gvr = gvp[r] + p * d;
-            acc_t* gqm = gq + m * d;
-            if (m == 0) {  // (the buffers are uninitialised: write, never read)
-              candidate_grads<false>(gkr, gqm, a_q, qm, a_k, kr, a_g, g, d);
-              if (!shared) set_scaled(gvr, w[r], g, d);
-            } else {
-              candidate_grads<true>(gkr, gqm, a_q, qm, a_k, kr, a_g, g, d);
-              if (!shared) axpy(gvr, w[r], g, d);
-            }
+            candidate_grads<true>(gkp[r] + p * d, gq + m * d, a_q, qm, a_k, kr, a_g, g, d);
+            if (!shared) axpy(gvp[r] + p * d, w[r], g, d);
           }
         }
       }
     });
   });
-  at::Tensor gq = gq_parts.sum(0).to(q.scalar_type());
-  const auto st = q.scalar_type();
-  return {gq, to_all(gk, st), shared ? std::vector<at::Tensor>() : to_all(gv, st)};
+  return gq_parts.sum(0).to(q.scalar_type());
 }
 
 at::Tensor depth_merge_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,

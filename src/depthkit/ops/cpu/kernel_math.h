@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "depthkit/util/error.h"
+
 namespace depthkit::cpu {
 
 // Float32 accumulation for float32 and bfloat16 storage, float64 for float64.
@@ -23,8 +25,9 @@ inline at::ScalarType acc_type_of(const at::Tensor& t) {
 }
 
 // The history a read takes is a list of sources (one tensor per completed entry, never stacked:
-// appending an entry copies nothing, and each source's gradient is its own tensor, which autograd
-// adds to in place). The kernels take their data pointers.
+// appending an entry copies nothing), and the backward kernels add each source's gradient into a
+// buffer given for it (ops/shared_source.h: one buffer for all the reads of a shared source). The
+// kernels take their data pointers.
 inline std::vector<at::Tensor> contiguous_all(at::TensorList list) {
   std::vector<at::Tensor> out;
   out.reserve(list.size());
@@ -32,28 +35,24 @@ inline std::vector<at::Tensor> contiguous_all(at::TensorList list) {
   return out;
 }
 template <class T>
-std::vector<const T*> data_of(const std::vector<at::Tensor>& list) {
+std::vector<const T*> data_of(at::TensorList list) {
   std::vector<const T*> out;
   for (const at::Tensor& t : list) out.push_back(t.const_data_ptr<T>());
   return out;
 }
 template <class T>
-std::vector<T*> mutable_data_of(const std::vector<at::Tensor>& list) {
+std::vector<T*> mutable_data_of(at::TensorList list) {
   std::vector<T*> out;
   for (const at::Tensor& t : list) out.push_back(t.mutable_data_ptr<T>());
   return out;
 }
-// N new tensors of `sizes` (gradients of a list of sources).
-inline std::vector<at::Tensor> empty_list(size_t N, at::IntArrayRef sizes, const at::TensorOptions& options) {
-  std::vector<at::Tensor> out;
-  for (size_t n = 0; n < N; ++n) out.push_back(at::empty(sizes, options));
-  return out;
-}
-// Each tensor of a list in `dtype`.
-inline std::vector<at::Tensor> to_all(const std::vector<at::Tensor>& list, at::ScalarType dtype) {
-  std::vector<at::Tensor> out;
-  for (const at::Tensor& t : list) out.push_back(t.to(dtype));
-  return out;
+// The gradient buffers a backward kernel adds into: N contiguous tensors of `sizes` in `dtype`.
+inline void check_gradient_buffers(const char* what, at::TensorList buffers, size_t N, at::IntArrayRef sizes,
+                                   at::ScalarType dtype) {
+  if (buffers.size() != N) fail(what, ": ", buffers.size(), " buffers for ", N, " sources");
+  for (const at::Tensor& b : buffers)
+    if (b.sizes() != sizes || b.scalar_type() != dtype || !b.is_contiguous())
+      fail(what, ": a buffer is ", b.sizes(), " ", b.scalar_type(), ", expected contiguous ", sizes, " ", dtype);
 }
 
 // The reductions over d keep kLanes partial sums per sum (two AVX2 registers of float32), so

@@ -232,9 +232,9 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
   return {out, lse};
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_backward(
+std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
     const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, at::TensorList sources,
-    at::TensorList conv, const at::Tensor& lse_, double eps, c10::OptionalIntArrayRef lengths_) {
+    at::TensorList conv, const at::Tensor& lse_, double eps, c10::OptionalIntArrayRef lengths_, at::TensorList gx) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   check_read(queries, sources, conv);
@@ -250,8 +250,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_re
   const auto options = x[0].options();
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({m, B, T}, lse.options());
-  std::vector<at::Tensor> gx;  // one per source
-  for (int64_t n = 0; n < N; ++n) gx.push_back(at::zeros({B, T, d}, options.dtype(acc_type)));
+  check_gradient_buffers("msar_read_backward: grad_sources", gx, N, {B, T, d}, acc_type);  // added into
   const TileGroups tiles = tile_groups(B, T, K);  // one partial sum of ∂q and ∂c per group
   at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, options.dtype(acc_type));
   at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, options.dtype(acc_type));
@@ -333,7 +332,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_re
   at::Tensor gc_kd = gc_parts.sum(0);  // [N, m−1, K, d]
   zero_padding(gc_kd, lengths);
   std::vector<at::Tensor> gc = gc_kd.transpose(-1, -2).to(st).unbind(0);  // [m−1, d, K] per source
-  return {gq, to_all(gx, st), gc};
+  return {gq, gc};
 }
 
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,

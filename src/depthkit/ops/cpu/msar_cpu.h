@@ -18,11 +18,13 @@ namespace depthkit::cpu {
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
                                                      at::TensorList conv, double eps,
                                                      c10::OptionalIntArrayRef kernel_lengths);
-// Gradients of (out, ζ) → (queries, one per source, one per bank). Either gradient may be
-// undefined (zero).
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_backward(
+// Gradients of (out, ζ) → (queries, one per bank), and the sources' added into grad_sources: one
+// buffer per source, [B, T, d] in the accumulation dtype (ops/shared_source.h). Either incoming
+// gradient may be undefined (zero).
+std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
     const OptTensor& grad_out, const OptTensor& grad_lse, const at::Tensor& queries, at::TensorList sources,
-    at::TensorList conv, const at::Tensor& lse, double eps, c10::OptionalIntArrayRef kernel_lengths);
+    at::TensorList conv, const at::Tensor& lse, double eps, c10::OptionalIntArrayRef kernel_lengths,
+    at::TensorList grad_sources);
 
 // out [m, B, T, d], ζ [m, B, T], queries [m, d]; optional (undefined = absent): partial [B, T, d]
 // with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with b_pre [m] and

@@ -260,9 +260,11 @@ std::tuple<at::Tensor, at::Tensor> depth_read_cuda(const at::Tensor& queries, at
   return {out, lse};
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_read_backward_cuda(
-    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& queries,
-    at::TensorList key_list, at::TensorList value_list, const at::Tensor& lse_, double eps) {
+// The sources' gradients are computed stacked, then added into the buffers given (schema.cpp).
+at::Tensor depth_read_backward_cuda(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                    const at::Tensor& queries, at::TensorList key_list, at::TensorList value_list,
+                                    const at::Tensor& lse_, double eps, at::TensorList grad_keys,
+                                    at::TensorList grad_values) {
   const bool shared_values = value_list.empty();
   const at::Tensor keys = at::stack(key_list), values = shared_values ? keys : at::stack(value_list);
   const c10::cuda::CUDAGuard guard(keys.device());
@@ -287,9 +289,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> depth_r
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  const auto st = k.scalar_type();
-  return {gq_tok.sum(0).to(q.scalar_type()), gk.to(st).unbind(0),
-          shared_values ? std::vector<at::Tensor>() : gv.to(v.scalar_type()).unbind(0)};
+  if (int64_t(grad_keys.size()) != N || int64_t(grad_values.size()) != (shared_values ? 0 : N))
+    fail("depth_read_backward: ", grad_keys.size(), " key and ", grad_values.size(), " value gradient buffers for ", N,
+         " sources");
+  for (int64_t r = 0; r < N; ++r) {
+    grad_keys[r].add_(gk[r]);
+    if (!shared_values) grad_values[r].add_(gv[r]);
+  }
+  return gq_tok.sum(0).to(q.scalar_type());
 }
 
 at::Tensor depth_merge_cuda(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& query,

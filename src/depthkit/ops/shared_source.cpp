@@ -1,0 +1,87 @@
+#include "depthkit/ops/shared_source.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <unordered_set>
+
+namespace depthkit {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The accumulator lives in the node's context: created by the first read whose backward runs,
+// handed on (and released) by the node's own backward, which autograd runs after all of them.
+constexpr const char* kAccumulator = "accumulator";
+
+class SharedSource : public torch::autograd::Function<SharedSource> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    ctx->set_materialize_grads(false);  // the reads send nothing: no zero tensor for it
+    ctx->saved_data["dtype"] = x.scalar_type();
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor sum;
+    if (auto it = ctx->saved_data.find(kAccumulator); it != ctx->saved_data.end()) {
+      sum = it->second.toTensor();
+      ctx->saved_data.erase(it);  // released now; a second backward (retain_graph) starts afresh
+    }
+    const at::Tensor& other = grads[0];  // from consumers other than fused reads, if any
+    if (!sum.defined()) return {other};
+    if (other.defined()) sum.add_(other);
+    return {sum.to(ctx->saved_data["dtype"].toScalarType())};
+  }
+};
+
+using SharedSourceNode = torch::autograd::CppNode<SharedSource>;
+
+}  // namespace
+
+namespace fused {
+
+at::Tensor shared_source(const at::Tensor& x) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) return x;
+  return SharedSource::apply(x);
+}
+
+}  // namespace fused
+
+std::vector<at::Tensor> SourceGradients::for_autograd(at::ScalarType dtype) const {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < buffers.size(); ++i) out.push_back(own[i] ? buffers[i].to(dtype) : at::Tensor());
+  return out;
+}
+
+namespace {
+
+// The accumulator of `source` for one call, in dtype `accumulate`; undefined when the source is
+// not shared, was given to this call already, or is accumulated in another dtype.
+at::Tensor accumulator(const at::Tensor& source, at::ScalarType accumulate, std::unordered_set<const void*>& taken) {
+  auto* node = dynamic_cast<SharedSourceNode*>(source.grad_fn().get());
+  if (!node || !taken.insert(node).second) return {};
+  auto& saved = node->ctx_.saved_data;
+  auto it = saved.find(kAccumulator);
+  if (it == saved.end())
+    it = saved.emplace(kAccumulator, at::zeros(source.sizes(), source.options().dtype(accumulate))).first;
+  at::Tensor sum = it->second.toTensor();
+  return sum.scalar_type() == accumulate ? sum : at::Tensor();
+}
+
+}  // namespace
+
+SourceGradients source_gradients(at::TensorList sources, at::ScalarType accumulate) {
+  SourceGradients g;
+  std::unordered_set<const void*> taken;
+  for (const at::Tensor& source : sources) {
+    at::Tensor shared = accumulator(source, accumulate, taken);
+    g.own.push_back(!shared.defined());
+    g.buffers.push_back(shared.defined() ? shared : at::zeros(source.sizes(), source.options().dtype(accumulate)));
+  }
+  return g;
+}
+
+}  // namespace depthkit

@@ -1,0 +1,45 @@
+// A history source that many fused reads take, with one gradient buffer for all of them.
+//
+// A pathway's history entry (AttnRes's block summaries, DAR's H_r, MSAR's sources) is read by
+// every later branch. Left to autograd, each read's backward returns that entry's gradient as a
+// tensor of its own, and autograd adds them up: per read and source, one write by the kernel and
+// one read-read-write by the sum. Wrapped by `fused::shared_source`, the entry carries an
+// accumulator instead: each read's backward kernel adds its share into it while the rows are in
+// cache (one read-modify-write), returns no gradient for it to autograd, and the entry's own
+// backward node, which autograd runs only after every read that took the entry (its consumers),
+// hands the sum on once.
+//
+// So the gradient of a shared source exists only as its input's: torch::autograd::grad with
+// respect to the wrapped tensor itself would see only what non-fused consumers give it.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace depthkit {
+
+namespace fused {
+
+// x, as a source whose gradient the fused reads accumulate in one buffer. x itself when no
+// gradient is being recorded (grad mode off, or x does not require one).
+at::Tensor shared_source(const at::Tensor& x);
+
+}  // namespace fused
+
+// For the Autograd kernels of the reads: where the backward kernel adds each source's gradient.
+struct SourceGradients {
+  std::vector<at::Tensor> buffers;  // one per source, zero or holding other reads' shares: add into
+  std::vector<bool> own;            // a buffer of this read's alone, which autograd then receives
+
+  // The gradients this read hands to autograd, one per source, in `dtype`: its own buffers; none
+  // (undefined) for a shared source, whose accumulator carries it.
+  std::vector<at::Tensor> for_autograd(at::ScalarType dtype) const;
+};
+
+// The buffers for `sources`, in dtype `accumulate` (the kernels' accumulation type): a shared
+// source's accumulator (created, zero, by the first read whose backward runs), or a zero buffer of
+// this read's own. A source that appears twice in one call gets an own buffer the second time, so
+// that no kernel is given one buffer twice.
+SourceGradients source_gradients(at::TensorList sources, at::ScalarType accumulate);
+
+}  // namespace depthkit
