@@ -82,7 +82,7 @@ DarRouting routing_of(at::IntArrayRef key, at::IntArrayRef value) {
 at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
 // Candidate c of a stream for token p: a completed entry (c < N), then the partial (c = N) when
-// there is one. Each candidate is a [P, d] tensor of its own (its gradient too).
+// there is one. Each candidate is a [P, d] tensor of its own (its gradient buffer too).
 template <class T>
 struct Candidates {
   std::vector<T*> stream[2];  // C per stream

@@ -13,7 +13,7 @@
 //   g·out = Σ_r w_r (g·v_r),  ∂a_r = w_r (g·v_r − g·out) + ḡ_ζ w_r,
 //   ∂v_r += w_r g,  ∂q += ∂a_r s_r k_r,  ∂k_r += ∂a_r (s_r q − s_r³ (q·k_r) k_r / d).
 // Two passes per source and target: the reductions (norm, q·k, and g·v when v = k) in one, every
-// gradient of the source in the other.
+// gradient of the source in the other, added into the buffer given for it (ops/shared_source.h).
 #include "depthkit/ops/cpu/depth_read_cpu.h"
 
 #include <ATen/Dispatch.h>
@@ -121,7 +121,7 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
                                at::TensorList gk, at::TensorList gv) {
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
-  // Values that are the keys (AttnRes: keys = values = sources) get one gradient, written once.
+  // Values that are the keys (AttnRes: keys = values = sources) have one buffer, which takes both.
   const bool shared = values_.empty();
   const at::TensorList values = shared ? keys : values_;
   check_read(queries, keys, values);
