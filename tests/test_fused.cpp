@@ -210,7 +210,7 @@ TEST(SharedSource, TheReadsOfASourceShareOneBuffer) {
 // Every fused read of the history (depth_read with and without values, dar_read, msar_read) gives
 // the same gradients whether its sources are shared or plain, in float64: with a source twice in
 // one read, the keys' list as the values', another consumer of a source, and a second backward
-// over the same graph (retain_graph).
+// over the same graph (retain_graph), after a partial one.
 TEST(SharedSource, GradientsEqualAutogradsSums) {
   const int64_t B = 2, T = 5, d = 6, N = 3, P = B * T;
   auto g = generator(29);
@@ -242,6 +242,10 @@ TEST(SharedSource, GradientsEqualAutogradsSums) {
   for (const at::Tensor& t : {q, conv, gates_w, gates_b}) inputs.push_back(t);
   const auto plain = torch::autograd::grad({loss(false)}, inputs);
   const at::Tensor shared_loss = loss(true);
+  // A partial backward first (the query alone: the entries' nodes do not run), which must leave
+  // no sum behind in them; then two full ones.
+  const at::Tensor q_only = torch::autograd::grad({shared_loss}, {q}, {}, /*retain_graph=*/true)[0];
+  EXPECT_TRUE(at::allclose(q_only, plain[2 * N], 1e-12, 1e-12));
   for (int pass = 0; pass < 2; ++pass) {
     const auto shared = torch::autograd::grad({shared_loss}, inputs, {}, /*retain_graph=*/pass == 0);
     for (size_t i = 0; i < inputs.size(); ++i)

@@ -6,8 +6,8 @@
 //   depthkit::depth_merge(Tensor out, Tensor log_partition, Tensor query, Tensor key_part, Tensor? value_part, float eps) -> Tensor
 // The keys and values of depth_read are lists of sources, one tensor per history entry: a pathway
 // appends an entry without copying its history. Missing values (an empty list, or value_part
-// None) are the keys themselves (AttnRes: keys = values = sources): then the kernels write one
-// gradient instead of two that autograd would add.
+// None) are the keys themselves (AttnRes: keys = values = sources): then both gradients go into
+// the key's buffer, in one pass.
 //   and their *_backward operators. depth_read_backward returns the queries' gradient and adds the
 // sources' into the buffers it is given (Tensor(a!)[]): one per source, in the accumulation dtype
 // (ζ's), which for a shared source (ops/shared_source.h) is the one buffer of all its reads.

@@ -59,10 +59,13 @@ std::vector<at::Tensor> SourceGradients::for_autograd(at::ScalarType dtype) cons
 namespace {
 
 // The accumulator of `source` for one call, in dtype `accumulate`; undefined when the source is
-// not shared, was given to this call already, or is accumulated in another dtype.
+// not shared, was given to this call already, is accumulated in another dtype, or when this
+// backward will not run the source's node: a partial one (torch::autograd::grad with respect to
+// other inputs, or to the wrapped tensor itself) gets the gradient from autograd as usual, and
+// leaves no sum behind in the node for a later backward over the same graph.
 at::Tensor accumulator(const at::Tensor& source, at::ScalarType accumulate, std::unordered_set<const void*>& taken) {
   auto* node = dynamic_cast<SharedSourceNode*>(source.grad_fn().get());
-  if (!node || !taken.insert(node).second) return {};
+  if (!node || !node->task_should_compute_output(0) || !taken.insert(node).second) return {};
   auto& saved = node->ctx_.saved_data;
   auto it = saved.find(kAccumulator);
   if (it == saved.end())

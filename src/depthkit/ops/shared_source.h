@@ -9,8 +9,9 @@
 // backward node, which autograd runs only after every read that took the entry (its consumers),
 // hands the sum on once.
 //
-// So the gradient of a shared source exists only as its input's: torch::autograd::grad with
-// respect to the wrapped tensor itself would see only what non-fused consumers give it.
+// A backward that will not run the entry's node (torch::autograd::grad with respect to other
+// inputs only, or to the wrapped tensor itself) does not use the buffer: the reads then hand
+// autograd the entry's gradient as any other input's.
 #pragma once
 #include <ATen/core/Tensor.h>
 

@@ -146,8 +146,8 @@ void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& 
     s.p0 = s.flat(states[0]);
     s.p1 = s.flat(states[1]);
   } else {  // at a block boundary: the entry the following reads take as the newest source
-    s.h0.back() = s.flat(states[0]);
-    s.h1.back() = s.flat(states[1]);
+    s.h0.back() = fused::shared_source(s.flat(states[0]));
+    s.h1.back() = fused::shared_source(s.flat(states[1]));
   }
 }
 

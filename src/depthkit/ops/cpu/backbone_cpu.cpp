@@ -47,8 +47,9 @@ namespace {
 // e^x in float32, written so that `omp simd` loops vectorise it (std::exp is a scalar call): e^x =
 // 2ⁿ e^r with n = round(x log₂e) (by the 1.5·2²³ rounding trick) and r = x − n ln 2 in two parts
 // (Cody–Waite), |r| ≤ ln 2 / 2, e^r by the Cephes expf polynomial (within 2 ulp over the range).
-// x is clamped to [−87, 88], where 2ⁿ is a normal float (only the sigmoid uses it, for which
-// that range is exact enough); a NaN input gives NaN through the polynomial.
+// x is clamped to [−87, 88], where 2ⁿ is a normal float (the sigmoid and the cross-entropy's
+// exponentials of logits minus their max use it, for which that range is exact enough); a NaN
+// input gives NaN through the polynomial.
 inline float exp_vectorisable(float x) {
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;

@@ -65,8 +65,8 @@ constexpr int64_t kChunk = 2 * kRegBytes / int64_t(sizeof(acc_t));  // W: two re
 // backward) stay in cache, and the K − 1 rows that the transposes reach outside it are a small part.
 constexpr int64_t kTile = 32;
 
-// One register of the blocked kernels: 8 float32 or 4 float64 (an AVX2 register), as a GCC/Clang
-// vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
+// One register of the blocked kernels (kRegBytes: 16 float32 or 8 float64 on AVX-512 builds, 8 or
+// 4 on AVX2), as a GCC/Clang vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
 // a load and a store per multiply-add again.)
 template <class acc_t>
 struct Reg {

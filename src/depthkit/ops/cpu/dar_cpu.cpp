@@ -277,7 +277,6 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
       grad.stream[0].push_back(gP0.mutable_data_ptr<acc_t>());
       grad.stream[1].push_back(gP1.mutable_data_ptr<acc_t>());
     }
-    auto grad_at = [&](int stream, int64_t c, int64_t p) { return grad.at(stream, c, p); };
     const scalar_t *qp = q.const_data_ptr<scalar_t>(), *wap = wa.const_data_ptr<scalar_t>(),
                    *bap = ba.const_data_ptr<scalar_t>(), *wbp = wb.const_data_ptr<scalar_t>(),
                    *bbp = bb.const_data_ptr<scalar_t>(), *ghp = gh.const_data_ptr<scalar_t>(),
@@ -323,7 +322,7 @@ std::vector<at::Tensor> dar_read_backward(const OptTensor& grad_h_opt, const Opt
             const acc_t w = std::exp(a[j * C + c] - lp[j * P + p]), sc = s[ks * C + c];
             const acc_t da = w * (dot<acc_t>(gzj, vc, d) - g_out);
             const acc_t a_q = da * sc, a_k = -da * sc * sc * a[j * C + c] / acc_t(d);  // s³ (q·K) = s² a
-            acc_t *gv = grad_at(vs, c, p), *gk = grad_at(ks, c, p);
+            acc_t *gv = grad.at(vs, c, p), *gk = grad.at(ks, c, p);
             if (gv == gk) {  // self-stream keys and values (DAR-SelfKV): ∂V lands on ∂K
               candidate_grads<true>(gk, gqj, a_q, qj, a_k, kc, w, gzj, d);
             } else {

@@ -6,7 +6,6 @@
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

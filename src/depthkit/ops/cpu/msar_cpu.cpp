@@ -26,8 +26,8 @@
 // the expansion and in ∂x, which is exact; ∂c is computed for the taps within each kernel's length
 // (the optional kernel_lengths; all K without them) and is zero for the padding.
 // The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
-// register blocks (window_block): 4 rows × 16 values of d summed in registers, each tap (or
-// source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
+// register blocks (window_block): 4 rows × two registers of d (16 float32 values on AVX2, 32 on
+// AVX-512) summed in registers, each tap (or source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
 // group's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per row s, one update of ∂x_s per tile.
 //
 // Merge-fuse forward, per token: with the partial p (bank c'),

@@ -266,7 +266,19 @@ at::Tensor depth_read_backward_cuda(const std::optional<at::Tensor>& grad_out, c
                                     const at::Tensor& lse_, double eps, at::TensorList grad_keys,
                                     at::TensorList grad_values) {
   const bool shared_values = value_list.empty();
+  if (key_list.empty() || (!shared_values && value_list.size() != key_list.size()))
+    fail("depth_read_backward: expected N >= 1 keys and as many values (or none)");
   const at::Tensor keys = at::stack(key_list), values = shared_values ? keys : at::stack(value_list);
+  check_cuda("depth_read_backward", {&queries, &keys, &values, &lse_});
+  // The buffers the sources' gradients are added into: one per key (and per value), [P, d] in ζ's dtype.
+  if (grad_keys.size() != key_list.size() || grad_values.size() != (shared_values ? 0 : value_list.size()))
+    fail("depth_read_backward: ", grad_keys.size(), " key and ", grad_values.size(), " value gradient buffers for ",
+         key_list.size(), " sources");
+  for (const at::TensorList list : {grad_keys, grad_values})
+    for (const at::Tensor& b : list)
+      if (b.sizes() != key_list[0].sizes() || b.scalar_type() != lse_.scalar_type() || !b.is_cuda())
+        fail("depth_read_backward: a gradient buffer is ", b.sizes(), " ", b.scalar_type(), ", expected ",
+             key_list[0].sizes(), " ", lse_.scalar_type(), " on the keys' device");
   const c10::cuda::CUDAGuard guard(keys.device());
   const at::Tensor q = queries.contiguous(), k = keys.contiguous(), v = values.contiguous(), lse = lse_.contiguous();
   const int64_t M = q.size(0), N = k.size(0), P = k.size(1), d = k.size(2);
@@ -289,13 +301,11 @@ at::Tensor depth_read_backward_cuda(const std::optional<at::Tensor>& grad_out, c
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  if (int64_t(grad_keys.size()) != N || int64_t(grad_values.size()) != (shared_values ? 0 : N))
-    fail("depth_read_backward: ", grad_keys.size(), " key and ", grad_values.size(), " value gradient buffers for ", N,
-         " sources");
-  for (int64_t r = 0; r < N; ++r) {
-    grad_keys[r].add_(gk[r]);
-    if (!shared_values) grad_values[r].add_(gv[r]);
-  }
+  if (M > 0)  // with no queries the kernel wrote nothing: there is nothing to add
+    for (int64_t r = 0; r < N; ++r) {
+      grad_keys[r].add_(gk[r]);
+      if (!shared_values) grad_values[r].add_(gv[r]);
+    }
   return gq_tok.sum(0).to(q.scalar_type());
 }
 
