@@ -26,6 +26,9 @@ struct DualHistory final : PathwayState {
   at::Tensor beta;                 // β_ℓ of the last read, [B·T, 2], used by its write
   int64_t B = 0, T = 0, d = 0;
   at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
+  // A new entry: flat, and a shared source, whose reads add its gradient into one buffer
+  // (ops/shared_source.h).
+  at::Tensor entry(const at::Tensor& x) const { return fused::shared_source(flat(x)); }
   at::Tensor shaped(const at::Tensor& x) const { return x.view({B, T, d}); }
   at::Tensor stacked(int stream) const { return at::stack(stream == 0 ? h0 : h1).view({-1, B, T, d}); }
 };
@@ -77,9 +80,8 @@ Dar::Dar(const ResidualConfig& residual, const ModelConfig& model, ParameterStor
 std::unique_ptr<PathwayState> Dar::begin(const at::Tensor& embedding) {
   auto s = std::make_unique<DualHistory>();
   s->B = embedding.size(0), s->T = embedding.size(1), s->d = embedding.size(2);
-  // H_0 = [e, e]; every entry a shared source (ops/shared_source.h), one per stream.
-  s->h0.push_back(fused::shared_source(s->flat(embedding)));
-  s->h1.push_back(fused::shared_source(s->flat(embedding)));
+  s->h0.push_back(s->entry(embedding));  // H_0 = [e, e], an entry of each stream
+  s->h1.push_back(s->entry(embedding));
   return s;
 }
 
@@ -112,8 +114,8 @@ void Dar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
   std::tie(s.p0, s.p1) = write(s.flat(out), s.beta, s.p0, s.p1, transport ? cast_like(b.w_rho, out) : at::Tensor(),
                                transport ? cast_like(b.b_rho, out) : at::Tensor(), kKeyNormEps);
   if (schedule_.closes(l)) {  // H_b = P^S (eq. 18)
-    s.h0.push_back(fused::shared_source(s.p0));
-    s.h1.push_back(fused::shared_source(s.p1));
+    s.h0.push_back(s.entry(s.p0));
+    s.h1.push_back(s.entry(s.p1));
     s.p0 = s.p1 = at::Tensor();
   }
 }
@@ -146,8 +148,8 @@ void Dar::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& 
     s.p0 = s.flat(states[0]);
     s.p1 = s.flat(states[1]);
   } else {  // at a block boundary: the entry the following reads take as the newest source
-    s.h0.back() = fused::shared_source(s.flat(states[0]));
-    s.h1.back() = fused::shared_source(s.flat(states[1]));
+    s.h0.back() = s.entry(states[0]);
+    s.h1.back() = s.entry(states[1]);
   }
 }
 

@@ -66,8 +66,8 @@ constexpr int64_t kChunk = 2 * kRegBytes / int64_t(sizeof(acc_t));  // W: two re
 constexpr int64_t kTile = 32;
 
 // One register of the blocked kernels (kRegBytes: 16 float32 or 8 float64 on AVX-512 builds, 8 or
-// 4 on AVX2), as a GCC/Clang vector type. (With plain loops over a fixed-size array of sums, GCC 12 kept the sums in memory:
-// a load and a store per multiply-add again.)
+// 4 on AVX2), as a GCC/Clang vector type. (With plain loops over a fixed-size array of sums, GCC 12
+// kept the sums in memory: a load and a store per multiply-add again.)
 template <class acc_t>
 struct Reg {
   typedef acc_t type __attribute__((vector_size(kRegBytes)));

@@ -122,16 +122,16 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
   const at::Tensor grad_out_ = unwrap(grad_out_opt);
   const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
   // Values that are the keys (AttnRes: keys = values = sources) have one buffer, which takes both.
-  const bool shared = values_.empty();
-  const at::TensorList values = shared ? keys : values_;
+  const bool values_are_keys = values_.empty();
+  const at::TensorList values = values_are_keys ? keys : values_;
   check_read(queries, keys, values);
   const at::Tensor q = queries.contiguous(), lse = lse_.contiguous();
-  const std::vector<at::Tensor> k = contiguous_all(keys), v = shared ? k : contiguous_all(values);
+  const std::vector<at::Tensor> k = contiguous_all(keys), v = values_are_keys ? k : contiguous_all(values);
   const int64_t M = q.size(0), N = int64_t(k.size()), P = k[0].size(0), d = k[0].size(1);
   const auto acc_type = lse.scalar_type();
   const auto options = k[0].options();
   check_gradient_buffers("depth_read_backward: grad_keys", gk, N, {P, d}, acc_type);
-  check_gradient_buffers("depth_read_backward: grad_values", gv, shared ? 0 : N, {P, d}, acc_type);
+  check_gradient_buffers("depth_read_backward: grad_values", gv, values_are_keys ? 0 : N, {P, d}, acc_type);
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({M, P, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({M, P}, lse.options());
   // Gradients of keys and values are added per token (no two threads share a token) into the
@@ -144,7 +144,7 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
     const std::vector<const scalar_t*> kp = data_of<scalar_t>(k), vp = data_of<scalar_t>(v);
     const scalar_t* gop = go.const_data_ptr<scalar_t>();
     const acc_t *lp = lse.const_data_ptr<acc_t>(), *glp = gl.const_data_ptr<acc_t>();
-    const std::vector<acc_t*> gkp = mutable_data_of<acc_t>(gk), gvp = mutable_data_of<acc_t>(shared ? gk : gv);
+    const std::vector<acc_t*> gkp = mutable_data_of<acc_t>(gk), gvp = mutable_data_of<acc_t>(values_are_keys ? gk : gv);
     acc_t* gq_all = gq_parts.mutable_data_ptr<acc_t>();
     parallel_for_blocks(P, grain(N * d * (3 * M + 1)), [&](int64_t p0, int64_t p1) {
       std::vector<acc_t> s(N), w(N), gdotv(N), qk(N);
@@ -154,7 +154,7 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
         for (int64_t r = 0; r < N; ++r) {
           const scalar_t* kr = kp[r] + p * d;
           acc_t kk;
-          if (shared) {
+          if (values_are_keys) {
             std::tie(kk, qk[r], gdotv[r]) = square_and_two_dots<acc_t>(kr, qp, gop + p * d, d);
           } else {
             std::tie(kk, qk[r]) = square_and_dot<acc_t>(kr, qp, d);
@@ -168,7 +168,7 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
           for (int64_t r = 0; r < N; ++r) {
             const scalar_t* kr = kp[r] + p * d;
             if (m > 0) qk[r] = dot<acc_t>(qm, kr, d);
-            if (m > 0 || !shared) gdotv[r] = dot<acc_t>(g, vp[r] + p * d, d);
+            if (m > 0 || !values_are_keys) gdotv[r] = dot<acc_t>(g, vp[r] + p * d, d);
             w[r] = std::exp(s[r] * qk[r] - lp[m * P + p]);
             g_out += w[r] * gdotv[r];
           }
@@ -177,9 +177,9 @@ at::Tensor depth_read_backward(const OptTensor& grad_out_opt, const OptTensor& g
             const scalar_t* kr = kp[r] + p * d;
             const acc_t da = w[r] * (gdotv[r] - g_out) + glp[m * P + p] * w[r];
             const acc_t a_q = da * s[r], a_k = -da * s[r] * s[r] * s[r] * qk[r] / acc_t(d);
-            const acc_t a_g = shared ? w[r] : acc_t(0);  // shared values: ∂v_r lands on ∂k_r
+            const acc_t a_g = values_are_keys ? w[r] : acc_t(0);  // values_are_keys values: ∂v_r lands on ∂k_r
             candidate_grads<true>(gkp[r] + p * d, gq + m * d, a_q, qm, a_k, kr, a_g, g, d);
-            if (!shared) axpy(gvp[r] + p * d, w[r], g, d);
+            if (!values_are_keys) axpy(gvp[r] + p * d, w[r], g, d);
           }
         }
       }

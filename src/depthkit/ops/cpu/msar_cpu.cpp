@@ -27,8 +27,9 @@
 // (the optional kernel_lengths; all K without them) and is zero for the padding.
 // The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
 // register blocks (window_block): 4 rows × two registers of d (16 float32 values on AVX2, 32 on
-// AVX-512) summed in registers, each tap (or source row) read once for the 4 rows; ∂c is summed over the tile before it is added to the
-// group's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per row s, one update of ∂x_s per tile.
+// AVX-512) summed in registers, each tap (or source row) read once for the 4 rows; ∂c is summed
+// over the tile before it is added to the group's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per
+// row s, one update of ∂x_s per tile.
 //
 // Merge-fuse forward, per token: with the partial p (bank c'),
 //   v_r = expansion of p,  a_r = s_r (q_r·v_r),  λ_r = σ(ζ_r − a_r),
