@@ -10,8 +10,9 @@
 //   z = r u                                   (the normalised projection, "proj", kept)
 //   l_k = α_{g(k)} z_k + b_k                  g(k) = pre, post, res for the three groups
 //   H_pre = σ(l_pre), H_post = 2σ(l_post), res_logits = l_res,  h = Σ_i H_pre[i] x_i
-// The product u = x φᵀ stays one ATen GEMM ([P, md] × [md, n], n = 24 for m = 4): a skinny GEMM
-// that the BLAS does at memory speed; everything around it is one pass over x per token.
+// The product u = x φᵀ stays an ATen GEMM ([P, md] × [md, n], n = 24 for m = 4), one per fixed block
+// of tokens (for_each_gemm_block): a skinny GEMM that the BLAS does at memory speed; everything
+// around it is one pass over x per token.
 // Backward, from ḡ_h, ḡ_post, ḡ_res (undefined = 0):
 //   ∂l_pre,i = (ḡ_h · x_i) σ(1 − σ),  ∂l_post,i = ḡ_post,i 2σ(1 − σ),  ∂l_res = ḡ_res
 //   ∂b = Σ_p ∂l,  ∂α_g = Σ_p Σ_{k∈g} ∂l_k z_k  (per block of tokens, kernel_math.h),  ∂u_k = r α_k ∂l_k
@@ -41,6 +42,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +57,34 @@ namespace depthkit::cpu {
 namespace {
 
 at::ScalarType wide_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The projection's GEMMs run on fixed blocks of tokens, one BLAS call per block inside a
+// parallel region, so that their results do not depend on the number of threads: a BLAS left to
+// thread one [P, md] × [md, n] product itself splits it by the thread count (MKL on AMD EPYC gave
+// proj and ∂x differing in the last bit between 1, 2 and 3 threads). A call made inside an active
+// parallel region runs on one thread; with one thread, at::set_num_threads has set the BLAS to one.
+// At least two blocks, so that the region is active whenever there are two threads or more; ∂φ,
+// a sum over tokens, is one partial product per block, added in block order.
+constexpr int64_t kGemmTokens = 256;
+
+struct GemmBlocks {
+  int64_t size, count;
+};
+
+GemmBlocks gemm_blocks(int64_t P) {
+  const int64_t wanted = std::min<int64_t>(P, std::max<int64_t>(2, (P + kGemmTokens - 1) / kGemmTokens));
+  const int64_t size = wanted == 0 ? 1 : (P + wanted - 1) / wanted;
+  return {size, (P + size - 1) / size};
+}
+
+// fn(block, first token, tokens) for every block, the blocks in parallel.
+template <class Fn>
+void for_each_gemm_block(int64_t P, const Fn& fn) {
+  const GemmBlocks blocks = gemm_blocks(P);
+  at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) fn(b, b * blocks.size, std::min(P, (b + 1) * blocks.size) - b * blocks.size);
+  });
+}
 
 // Contiguous loops over d, kept out of the AT_DISPATCH lambdas (a pragma can't sit in a macro
 // argument). o = a (rounded to storage);  o = c x + w g. (a = w x is kernel_math's set_scaled.)
@@ -202,8 +232,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_forward(const
   const int64_t P = md == 0 ? 0 : x.numel() / md;
   const at::Tensor X = x.view({P, md});
   // u = x φᵀ [P, n] in the wide type; overwritten in place with z = r u below.
-  at::Tensor proj = x.scalar_type() == wide ? at::mm(X, phi.t()) : at::mm(X.to(wide), phi.to(wide).t());
-  proj = proj.contiguous();
+  // (Detached: the blocks run on worker threads, which do not inherit the caller's exclusion of
+  // autograd, and an out= product refuses inputs that require grad.)
+  at::Tensor proj = at::empty({P, n}, x.options().dtype(wide));
+  const at::Tensor X_in = X.detach(), phi_t = phi.detach().to(wide).t();
+  for_each_gemm_block(P, [&](int64_t, int64_t p0, int64_t rows) {
+    at::Tensor out = proj.narrow(0, p0, rows);
+    at::mm_out(out, X_in.narrow(0, p0, rows).to(wide), phi_t);
+  });
   const at::Tensor bias = bias_.to(wide).contiguous(), scale = scale_.to(wide).contiguous();
   at::Tensor h = at::empty({P, d}, x.options());
   at::Tensor post = at::empty({P, m}, x.options().dtype(wide));
@@ -310,9 +346,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mhc_pre_backward(
     });
   });
   // The two GEMMs of the projection's backward: ∂x += ∂u φ, ∂φ = ∂uᵀ x.
-  const at::Tensor phi_w = phi.to(wide);
-  dx.addmm_(du, phi_w);
-  at::Tensor dphi = at::mm(du.t(), x.scalar_type() == wide ? X : X.to(wide));
+  const at::Tensor phi_w = phi.detach().to(wide), X_in = X.detach();  // (detached: as in the forward)
+  at::Tensor dphi_parts = at::empty({gemm_blocks(P).count, n, md}, wopt);
+  for_each_gemm_block(P, [&](int64_t block, int64_t p0, int64_t rows) {
+    const at::Tensor du_b = du.narrow(0, p0, rows);
+    dx.narrow(0, p0, rows).addmm_(du_b, phi_w);
+    at::Tensor part = dphi_parts.select(0, block);
+    at::mm_out(part, du_b.t(), X_in.narrow(0, p0, rows).to(wide));
+  });
+  at::Tensor dphi = dphi_parts.sum(0);
   const at::Tensor sums = parts.sum(0);
   at::Tensor dbias = sums.narrow(0, 0, n), dscale = sums.narrow(0, n, 3);
   return {dx.to(x.scalar_type()).view(x_.sizes()), dphi.to(phi.scalar_type()), dbias.to(bias_.scalar_type()),
