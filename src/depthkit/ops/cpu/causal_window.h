@@ -58,7 +58,14 @@ constexpr int64_t kRegBytes = 64;
 #else
 constexpr int64_t kRegBytes = 32;
 #endif
-constexpr int64_t kRows = 4;  // J: 4 rows × two registers = 8 accumulators, with room for a_k and b
+// J: rows per register block. With 32 vector registers (AVX-512), 8 rows × two registers = 16
+// accumulators, with room for kSteps taps (8 registers) and a row of b; with 16 (AVX2), 4 rows.
+// Blocks of kRows rows, then of 4, then single rows (window_rows).
+#ifdef __AVX512F__
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kRows = 4;
+#endif
 template <class acc_t>
 constexpr int64_t kChunk = 2 * kRegBytes / int64_t(sizeof(acc_t));  // W: two registers (Reg below)
 // Tokens per tile of the blocked kernels: the expansions of a tile (N·kTile·d values in the read
@@ -167,6 +174,8 @@ template <int64_t sigma, bool add, class acc_t, class A, class Bv>
 void window_rows(acc_t* out, const A* a, const Bv* b, int64_t nk, int64_t rows, int64_t d) {
   int64_t j = 0;
   for (; j + kRows <= rows; j += kRows) window<kRows, sigma, add>(out + j * d, a, b + j * d, nk, d);
+  if constexpr (kRows > 4)
+    for (; j + 4 <= rows; j += 4) window<4, sigma, add>(out + j * d, a, b + j * d, nk, d);
   for (; j < rows; ++j) window<1, sigma, add>(out + j * d, a, b + j * d, nk, d);
 }
 
@@ -207,17 +216,22 @@ void expand_backward_tile(const acc_t* dv0, acc_t* gx_t0, acc_t* gc, const scala
     window_rows<+1, true>(gx_t0 + (s0 - t0) * d, taps, dv0 + (s0 - t0) * d, used, t1 - s0, d);
   }
   // Blocks of taps δ0 ≤ δ < δ0 + J (J ≤ K − δ0, so the rows read stay within the zero rows), each
-  // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0.
+  // over the rows s with a term inside the tile: t0 − (δ0 + J − 1) ≤ s < t1 − δ0. J = kRows while
+  // more than 4 of the kernel's taps are left, then 4, then 1.
   for (int64_t delta0 = 0; delta0 < length;) {
-    const bool block = delta0 + kRows <= K;
-    const int64_t J = block ? kRows : 1;
+    const int64_t left = length - delta0;
+    const int64_t J = left > 4 && delta0 + kRows <= K ? kRows : delta0 + 4 <= K ? 4 : 1;
     const int64_t s_lo = std::max<int64_t>(0, t0 - (delta0 + J - 1)), s_hi = t1 - delta0;
     if (s_hi > s_lo) {
       const acc_t* b = dv0 + (s_lo + delta0 - t0) * d;
-      if (block)
-        window<kRows, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+      acc_t* g = gc + delta0 * d;
+      const scalar_t* x = x0 + s_lo * d;
+      if (J == kRows)
+        window<kRows, +1, true>(g, x, b, s_hi - s_lo, d);
+      else if (J == 4)
+        window<4, +1, true>(g, x, b, s_hi - s_lo, d);
       else
-        window<1, +1, true>(gc + delta0 * d, x0 + s_lo * d, b, s_hi - s_lo, d);
+        window<1, +1, true>(g, x, b, s_hi - s_lo, d);
     }
     delta0 += J;
   }

@@ -65,6 +65,9 @@ namespace depthkit::cpu {
 
 namespace {
 
+inline int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
+static_assert(kTile % 4 == 0, "the H_pre products run blocks of 4 tokens within a tile");
+
 // One stream's merge with the partial's expansion v (A.8–A.10), shared by msar_fuse and its
 // backward: a = s (q_r · v) with s = 1/rms(v), λ = σ(ζ_r − a), z = λ out_r + (1 − λ) v.
 // Returns (s, q_r · v, λ), which the backward keeps.
@@ -79,19 +82,112 @@ std::tuple<acc_t, acc_t, acc_t> merge_stream(acc_t* z, const scalar_t* out, cons
   return {s, qv, lambda};
 }
 
-// The H_pre gate of the m merged streams z [m·d] (eq. 13), shared by msar_fuse and its backward:
-// S = 1/rms(z) over the m·d entries, y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes π and y [m]
-// and returns S (the backward needs all three).
+// The H_pre gates of a tile's tokens, as small matrix products over the tile (eq. 13): the merged
+// streams Z [rows, m·d] (a token's m streams side by side), W_pre padded to m4 rows (a multiple of
+// 4; the rows past m are zero) and the per-token coefficients U [rows, m4]. rows is a multiple of 4
+// (the tile's buffers have room; rows past the tile's tokens are zero, and so are their U). Each
+// product runs in register blocks of 4 tokens × 4 rows of W_pre, so that a row of W_pre (m·d
+// values) is read once per 4 tokens and a row of ∂W_pre updated in memory once per tile, where a
+// token at a time reads all of W_pre and updates all of ∂W_pre per token.
 template <class acc_t>
-acc_t hpre_gate(acc_t* pre, acc_t* y, const acc_t* z, const acc_t* W, const acc_t* b, acc_t alpha, int64_t m,
-                int64_t d, double eps) {
-  const int64_t md = m * d;
-  const acc_t S = inv_rms<acc_t>(dot<acc_t>(z, z, md), md, eps);
-  for (int64_t j = 0; j < m; ++j) {
-    y[j] = dot<acc_t>(W + j * md, z, md);
-    pre[j] = sigmoid(alpha * S * y[j] + b[j]);
+using Vec = typename Reg<acc_t>::type;
+
+template <class acc_t>
+inline acc_t lane_sum(const Vec<acc_t>& v) {
+  acc_t s = 0;
+  for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) s += v[l];
+  return s;
+}
+
+// Y [rows, m4] = Z · W_preᵀ: y_{t,j} = W_j · z_t.
+template <class acc_t>
+void gate_logits(acc_t* Y, const acc_t* Z, const acc_t* W, int64_t rows, int64_t m4, int64_t n) {
+  using V = Vec<acc_t>;
+  constexpr int64_t lanes = Reg<acc_t>::lanes;
+  const int64_t nv = n / lanes * lanes;
+  for (int64_t t0 = 0; t0 < rows; t0 += 4)
+    for (int64_t j0 = 0; j0 < m4; j0 += 4) {
+      V acc[4][4] = {};
+      for (int64_t i = 0; i < nv; i += lanes) {
+        V w[4], z[4];
+        for (int64_t a = 0; a < 4; ++a) w[a] = load<acc_t>(W + (j0 + a) * n + i);
+        for (int64_t a = 0; a < 4; ++a) z[a] = load<acc_t>(Z + (t0 + a) * n + i);
+        for (int64_t a = 0; a < 4; ++a)
+          for (int64_t b = 0; b < 4; ++b) acc[a][b] += z[a] * w[b];
+      }
+      for (int64_t a = 0; a < 4; ++a)
+        for (int64_t b = 0; b < 4; ++b) {
+          acc_t sum = lane_sum<acc_t>(acc[a][b]);
+          for (int64_t i = nv; i < n; ++i) sum += Z[(t0 + a) * n + i] * W[(j0 + b) * n + i];
+          Y[(t0 + a) * m4 + j0 + b] = sum;
+        }
+    }
+}
+
+// dZ [rows, n] += U · W_pre: ∂z_t += Σ_j u_{t,j} W_j.
+template <class acc_t>
+void add_gate_inputs_grad(acc_t* dZ, const acc_t* U, const acc_t* W, int64_t rows, int64_t m4, int64_t n) {
+  using V = Vec<acc_t>;
+  constexpr int64_t lanes = Reg<acc_t>::lanes;
+  const int64_t nv = n / lanes * lanes;
+  for (int64_t t0 = 0; t0 < rows; t0 += 4) {
+    const acc_t* u = U + t0 * m4;
+    for (int64_t i = 0; i < nv; i += lanes) {
+      V acc[4];
+      for (int64_t a = 0; a < 4; ++a) acc[a] = load<acc_t>(dZ + (t0 + a) * n + i);
+      for (int64_t j = 0; j < m4; ++j) {
+        const V w = load<acc_t>(W + j * n + i);
+        for (int64_t a = 0; a < 4; ++a) acc[a] += u[a * m4 + j] * w;
+      }
+      for (int64_t a = 0; a < 4; ++a) std::memcpy(dZ + (t0 + a) * n + i, &acc[a], sizeof(V));
+    }
+    for (int64_t i = nv; i < n; ++i)
+      for (int64_t a = 0; a < 4; ++a)
+        for (int64_t j = 0; j < m4; ++j) dZ[(t0 + a) * n + i] += u[a * m4 + j] * W[j * n + i];
   }
-  return S;
+}
+
+// gW [m, n] += Uᵀ · Z: ∂W_j += Σ_t u_{t,j} z_t (the m rows of ∂W_pre; U's columns past m are not read).
+template <class acc_t>
+void add_gate_weights_grad(acc_t* gW, const acc_t* U, const acc_t* Z, int64_t rows, int64_t m, int64_t m4, int64_t n) {
+  using V = Vec<acc_t>;
+  constexpr int64_t lanes = Reg<acc_t>::lanes;
+  const int64_t nv = n / lanes * lanes;
+  for (int64_t j0 = 0; j0 < m; j0 += 4) {
+    const int64_t jb = std::min<int64_t>(4, m - j0);
+    for (int64_t i = 0; i < nv; i += lanes) {
+      V acc[4] = {};
+      for (int64_t t = 0; t < rows; ++t) {
+        const V z = load<acc_t>(Z + t * n + i);
+        for (int64_t b = 0; b < 4; ++b) acc[b] += U[t * m4 + j0 + b] * z;
+      }
+      for (int64_t b = 0; b < jb; ++b) {
+        acc_t* g = gW + (j0 + b) * n + i;
+        const V sum = load<acc_t>(g) + acc[b];
+        std::memcpy(g, &sum, sizeof(V));
+      }
+    }
+    for (int64_t i = nv; i < n; ++i)
+      for (int64_t b = 0; b < jb; ++b) {
+        acc_t sum = 0;
+        for (int64_t t = 0; t < rows; ++t) sum += U[t * m4 + j0 + b] * Z[t * n + i];
+        gW[(j0 + b) * n + i] += sum;
+      }
+  }
+}
+
+// The H_pre gates of a tile's nt tokens (eq. 13), shared by msar_fuse and its backward: per token
+// S = 1/rms(z) over its m·d entries, y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes S [rows] and
+// y, π [rows, m4] (rows = nt rounded up to 4; the backward needs all three).
+template <class acc_t>
+void hpre_gates(acc_t* S, acc_t* y, acc_t* pre, const acc_t* Z, const acc_t* W4, const acc_t* b, acc_t alpha,
+                int64_t nt, int64_t m, int64_t m4, int64_t md, double eps) {
+  gate_logits(y, Z, W4, round_up4(nt), m4, md);
+  for (int64_t t = 0; t < nt; ++t) {
+    const acc_t* z = Z + t * md;
+    S[t] = inv_rms<acc_t>(dot<acc_t>(z, z, md), md, eps);
+    for (int64_t j = 0; j < m; ++j) pre[t * m4 + j] = sigmoid(alpha * S[t] * y[t * m4 + j] + b[j]);
+  }
 }
 
 void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c) {
@@ -140,8 +236,8 @@ FuseArgs check_fuse(const at::Tensor& out, const at::Tensor& lse, const at::Tens
 }
 
 // The optional inputs of msar_fuse and its backward, contiguous and in the types the kernels read:
-// the partial (storage type) with its taps [K, d] per stream and their used lengths; W_pre, b_pre
-// (accumulation type) and α_pre.
+// the partial (storage type) with its taps [K, d] per stream and their used lengths; W_pre (padded
+// to a multiple of 4 rows), b_pre (accumulation type) and α_pre.
 struct FuseInputs {
   at::Tensor x, c, W, bias;
   std::vector<int64_t> lengths, used;
@@ -157,8 +253,9 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
     in.lengths = kernel_lengths(lengths, A.m - 1, A.K, "msar_fuse");
     in.used = taps_used(in.c, in.lengths);
   }
-  if (A.hpre) {
-    in.W = w_pre.to(acc).contiguous();
+  if (A.hpre) {  // W_pre padded to a multiple of 4 rows with zeros (hpre_gates' register blocks)
+    in.W = at::zeros({round_up4(A.m), A.m * A.d}, w_pre.options().dtype(acc));
+    in.W.narrow(0, 0, A.m).copy_(w_pre);
     in.bias = b_pre.to(acc).contiguous();
     in.alpha = alpha_pre.item<double>();
   }
@@ -366,33 +463,39 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
     const acc_t* bp = A.hpre ? bias.const_data_ptr<acc_t>() : nullptr;
     scalar_t* hp = h.mutable_data_ptr<scalar_t>();
     // Tiles of kTile tokens of one batch row: the expansions of the partial for the whole tile
-    // (expand_tile, V [m, kTile, d]), then token by token.
-    const int64_t tiles = (T + kTile - 1) / kTile;
+    // (expand_tile, V [m, kTile, d]), the merged streams Z [kTile, m·d] token by token, the tile's
+    // H_pre gates (hpre_gates), then h token by token.
+    const int64_t tiles = (T + kTile - 1) / kTile, md = m * d, m4 = round_up4(m);
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), z(m * d), pre(m), y(m), hacc(d);
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), Z(kTile * md, acc_t(0)), pre(kTile * m4), y(kTile * m4),
+          S(kTile), hacc(d);
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
         for (int64_t r = 0; A.partial && r < m; ++r)
           expand_tile(V.data() + r * kTile * d, xp + (b * T + t0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
                       r == 0 ? 1 : used[r - 1], t0, nt, d);
-        for (int64_t p = b * T + t0; p < b * T + t0 + nt; ++p) {
+        std::fill(Z.begin() + nt * md, Z.begin() + round_up4(nt) * md, acc_t(0));  // (a shorter last tile)
+        for (int64_t j = 0; j < nt; ++j) {
+          const int64_t p = b * T + t0 + j;
           for (int64_t r = 0; r < m; ++r) {
             const scalar_t* o_r = op + (r * P + p) * d;
-            acc_t* z_r = z.data() + r * d;
+            acc_t* z_r = Z.data() + j * md + r * d;
             if (!A.partial) {
               for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
               continue;
             }
-            merge_stream(z_r, o_r, V.data() + (r * kTile + p - b * T - t0) * d, qp + r * d, lp[r * P + p], d, eps);
+            merge_stream(z_r, o_r, V.data() + (r * kTile + j) * d, qp + r * d, lp[r * P + p], d, eps);
           }
-          if (A.hpre) {
-            hpre_gate(pre.data(), y.data(), z.data(), Wp, bp, acc_t(alpha), m, d, eps);  // eq. 13
-          } else {
-            std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
-          }
+        }
+        if (A.hpre) {
+          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), Wp, bp, acc_t(alpha), nt, m, m4, md, eps);  // eq. 13
+        } else {
+          std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
+        }
+        for (int64_t j = 0; j < nt; ++j) {
           std::fill(hacc.begin(), hacc.end(), acc_t(0));
-          for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[r], z.data() + r * d, d);  // eq. 14
-          scalar_t* h_p = hp + p * d;
+          for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[j * m4 + r], Z.data() + j * md + r * d, d);  // eq. 14
+          scalar_t* h_p = hp + (b * T + t0 + j) * d;
           for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
         }
       }
@@ -450,64 +553,80 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       acc_t* gc = gq + n_q;
       acc_t* gW = gc + n_c;
       acc_t* gb = gW + n_w;  // [m], then α at gb[m]
-      // Per sub-tile of kTile tokens: the expansions of the partial V [m, kTile, d] (expand_tile),
-      // then token by token with ∂v into DV [m, kTile + 2(K − 1), d] (K − 1 zero rows either side),
-      // then per stream the transpose (expand_backward_tile).
-      // ∂partial of the sub-tile and the pad rows before it is gathered in GX over the streams (add_rows).
+      // Per sub-tile of kTile tokens: the expansions of the partial V [m, kTile, d] (expand_tile);
+      // the merged streams Z [kTile, m·d] token by token; the fusion's backward for the sub-tile
+      // (its H_pre products in register blocks, hpre_gates) into ∂Z; then token by token the
+      // merge's backward with ∂v into DV [m, kTile + 2(K − 1), d] (K − 1 zero rows either side),
+      // and per stream the transpose (expand_backward_tile). ∂partial of the sub-tile and the pad
+      // rows before it is gathered in GX over the streams (add_rows).
+      const int64_t m4 = round_up4(m);
       std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)),
-          GX(A.partial ? (kTile + pad) * d : 0), z(md), dz(md), s(m), qv(m), lam(m), pre(m), y(m), u(m);
+          GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
+          qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0));
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
-        const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
+        const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0, nt4 = round_up4(nt);
         for (int64_t r = 0; A.partial && r < m; ++r) {
           expand_tile(V.data() + r * kTile * d, xp + (b * T + u0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
                       r == 0 ? 1 : used[r - 1], u0, nt, d);
           acc_t* dv0 = DV.data() + (r * rows + pad) * d;
           std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         }
-        for (int64_t t = u0; t < u1; ++t) {
-          const int64_t p = b * T + t;
-          const scalar_t* g_p = gp + p * d;
-          // Recompute the merge (A.8–A.10).
+        std::fill(Z.begin() + nt * md, Z.begin() + nt4 * md, acc_t(0));  // (a shorter last sub-tile)
+        // Recompute the merge (A.8–A.10).
+        for (int64_t j = 0; j < nt; ++j) {
+          const int64_t p = b * T + u0 + j;
           for (int64_t r = 0; r < m; ++r) {
             const scalar_t* o_r = op + (r * P + p) * d;
-            acc_t* z_r = z.data() + r * d;
+            acc_t* z_r = Z.data() + j * md + r * d;
             if (!A.partial) {
               for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
               continue;
             }
-            std::tie(s[r], qv[r], lam[r]) =
-                merge_stream(z_r, o_r, V.data() + (r * kTile + t - u0) * d, qp + r * d, lp[r * P + p], d, eps);
+            std::tie(s[j * m + r], qv[j * m + r], lam[j * m + r]) =
+                merge_stream(z_r, o_r, V.data() + (r * kTile + j) * d, qp + r * d, lp[r * P + p], d, eps);
           }
-          // Fusion backward (eq. 13–14) → ∂z.
-          if (A.hpre) {
-            const acc_t S = hpre_gate(pre.data(), y.data(), z.data(), Wp, bp, al, m, d, eps);  // eq. 13
+        }
+        // Fusion backward (eq. 13–14) → ∂Z. With u_j = (g·z_j) π_j (1 − π_j):
+        // ∂z = π ⊙ g + α S Σ_j u_j W_j − α S³ (Σ_j u_j y_j) z / (m d), ∂W_j += u_j α S z.
+        if (A.hpre) {
+          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), Wp, bp, al, nt, m, m4, md, eps);  // eq. 13
+          for (int64_t j = 0; j < nt; ++j) {
+            const scalar_t* g_p = gp + (b * T + u0 + j) * d;
+            const acc_t* z = Z.data() + j * md;
+            acc_t* u = U.data() + j * m4;
             acc_t uy = 0;
-            for (int64_t j = 0; j < m; ++j) {
-              u[j] = dot<acc_t>(g_p, z.data() + j * d, d) * pre[j] * (acc_t(1) - pre[j]);
-              gb[j] += u[j];
-              gb[m] += u[j] * S * y[j];
-              uy += u[j] * y[j];
+            for (int64_t k = 0; k < m; ++k) {
+              const acc_t pk = pre[j * m4 + k], yk = y[j * m4 + k];
+              const acc_t uk = dot<acc_t>(g_p, z + k * d, d) * pk * (acc_t(1) - pk);
+              gb[k] += uk;
+              gb[m] += uk * S[j] * yk;
+              uy += uk * yk;
+              u[k] = uk * al * S[j];  // the coefficient of W_k in ∂z and of z in ∂W_k
             }
-            const acc_t c_z = al * S * S * S * uy / acc_t(md);
+            const acc_t c_z = al * S[j] * S[j] * S[j] * uy / acc_t(md);
             for (int64_t r = 0; r < m; ++r) {
-              acc_t* dz_r = dz.data() + r * d;
-              const acc_t* z_r = z.data() + r * d;
-              const acc_t pr = pre[r];
+              acc_t* dz_r = dZ.data() + j * md + r * d;
+              const acc_t* z_r = z + r * d;
+              const acc_t pr = pre[j * m4 + r];
 #pragma omp simd
               for (int64_t i = 0; i < d; ++i) dz_r[i] = pr * acc_t(g_p[i]) - c_z * z_r[i];
             }
-            for (int64_t j = 0; j < m; ++j) {
-              const acc_t uj = u[j] * al * S;
-              axpy(dz.data(), uj, Wp + j * md, md);
-              axpy(gW + j * md, uj, z.data(), md);
-            }
-          } else {
-            for (int64_t r = 0; r < m; ++r)
-              for (int64_t i = 0; i < d; ++i) dz[r * d + i] = acc_t(g_p[i]) / acc_t(m);
           }
-          // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
+          std::fill(U.begin() + nt * m4, U.begin() + nt4 * m4, acc_t(0));
+          add_gate_inputs_grad(dZ.data(), U.data(), Wp, nt4, m4, md);
+          add_gate_weights_grad(gW, U.data(), Z.data(), nt4, m, m4, md);
+        } else {
+          for (int64_t j = 0; j < nt; ++j) {
+            const scalar_t* g_p = gp + (b * T + u0 + j) * d;
+            for (int64_t r = 0; r < m; ++r)
+              for (int64_t i = 0; i < d; ++i) dZ[j * md + r * d + i] = acc_t(g_p[i]) / acc_t(m);
+          }
+        }
+        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
+        for (int64_t j = 0; j < nt; ++j) {
+          const int64_t p = b * T + u0 + j;
           for (int64_t r = 0; r < m; ++r) {
-            const acc_t* dz_r = dz.data() + r * d;
+            const acc_t* dz_r = dZ.data() + j * md + r * d;
             acc_t* go_r = gop + (r * P + p) * d;
             if (!A.partial) {
               for (int64_t i = 0; i < d; ++i) go_r[i] = dz_r[i];
@@ -515,14 +634,14 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
               continue;
             }
             const scalar_t* o_r = op + (r * P + p) * d;
-            const acc_t* v = V.data() + (r * kTile + t - u0) * d;
-            acc_t* dv = DV.data() + (r * rows + pad + t - u0) * d;
-            const acc_t l = lam[r];
+            const acc_t* v = V.data() + (r * kTile + j) * d;
+            acc_t* dv = DV.data() + (r * rows + pad + j) * d;
+            const acc_t l = lam[j * m + r], sr = s[j * m + r];
             // ∂z · ∂z/∂λ = ∂z · (out − v)
             const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);
             const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
             glp[r * P + p] = dzeta;
-            const acc_t da = -dzeta, ds = da * s[r], c_v = da * s[r] * s[r] * s[r] * qv[r] / acc_t(d);
+            const acc_t da = -dzeta, ds = da * sr, c_v = da * sr * sr * sr * qv[j * m + r] / acc_t(d);
             const acc_t* qr = qp + r * d;
             acc_t* gqr = gq + r * d;
 #pragma omp simd
