@@ -190,6 +190,22 @@ void hpre_gates(acc_t* S, acc_t* y, acc_t* pre, const acc_t* Z, const acc_t* W4,
   }
 }
 
+// Stream r of one source on the nt tokens t0, … of one batch row (eq. 10), x0 pointing at row t0,
+// with the taps of its bank (taps [banks, K, d], `used` per bank): the identity stream (r = 0) is
+// the source itself, read in place where it is stored in the accumulation type; any other stream
+// is expanded into buf [nt, d]. Returns the rows.
+template <class acc_t, class scalar_t>
+const acc_t* stream_rows(acc_t* buf, const scalar_t* x0, const acc_t* taps, const std::vector<int64_t>& used,
+                         int64_t bank, int64_t r, int64_t K, int64_t t0, int64_t nt, int64_t d) {
+  if (r == 0) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) return x0;
+    expand_tile(buf, x0, static_cast<const acc_t*>(nullptr), 1, t0, nt, d);
+    return buf;
+  }
+  expand_tile(buf, x0, taps + bank * K * d, used[bank], t0, nt, d);
+  return buf;
+}
+
 void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c) {
   if (x.empty()) fail("msar_read: needs at least one source");
   if (q.dim() != 2 || x[0].dim() != 3) fail("msar_read: expected queries [m, d], sources [B, T, d] each");
@@ -293,17 +309,15 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
     const int64_t tiles = (T + kTile - 1) / kTile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
       std::vector<acc_t> E(N * kTile * d), a(N * kTile), u(d);
+      std::vector<const acc_t*> rows(N);  // stream r of each source on the tile: in E, or the source itself
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
-            acc_t* En = E.data() + n * kTile * d;
-            const int64_t bank = n * (m - 1) + r - 1;
-            expand_tile(En, xp[n] + (b * T + t0) * d, r == 0 ? nullptr : cp + bank * K * d,
-                        r == 0 ? 1 : used[bank], t0, nt, d);  // eq. 10
+            rows[n] = stream_rows(E.data() + n * kTile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
-              const auto [ss, qv] = square_and_dot<acc_t>(En + j * d, qr, d);
+              const auto [ss, qv] = square_and_dot<acc_t>(rows[n] + j * d, qr, d);
               a[n * kTile + j] = qv * inv_rms<acc_t>(ss, d, eps);  // (A.1)
             }
           }
@@ -315,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
             for (int64_t n = 0; n < N; ++n) {
               const acc_t w = std::exp(a[n * kTile + j] - mx);
               Z += w;                                        // (A.3)
-              axpy(u.data(), w, E.data() + (n * kTile + j) * d, d);  // (A.4)
+              axpy(u.data(), w, rows[n] + j * d, d);  // (A.4)
             }
             scalar_t* o = op + (r * P + p) * d;
             const acc_t inv = acc_t(1) / Z;
@@ -374,6 +388,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
       const int64_t gx_rows = kTile + pad;
       std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * kTile),
           qv(N * kTile), w(N * kTile), gdotv(N * kTile), g_out(kTile);
+      std::vector<const acc_t*> rows(N);  // stream r of each source on the sub-tile (stream_rows)
       acc_t* dv0 = DV.data() + pad * d;
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
@@ -382,10 +397,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
-            acc_t* Vn = V.data() + n * kTile * d;
-            const int64_t bank = n * L + r - 1;
-            expand_tile(Vn, xp[n] + (b * T + u0) * d, r == 0 ? nullptr : cp + bank * K * d,
-                        r == 0 ? 1 : used[bank], u0, nt, d);
+            const acc_t* Vn = rows[n] =
+                stream_rows(V.data() + n * kTile * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * kTile + j;
               const auto [ss, qvn, gv] = square_and_two_dots<acc_t>(Vn + j * d, qr, gop + (r * P + p) * d, d);
@@ -401,7 +414,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             g_out[j] = go_j;
           }
           for (int64_t n = 0; n < N; ++n) {
-            const acc_t* Vn = V.data() + n * kTile * d;
+            const acc_t* Vn = rows[n];
             acc_t* gqr = gq + r * d;
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * kTile + j;
