@@ -422,15 +422,28 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
               const acc_t* v = Vn + j * d;
               const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
               const acc_t ds = da * s[k], c_v = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d), wn = w[k];
-              acc_t* dv = dv0 + j * d;
+              // ∂v, and ∂q in the same pass over v. The identity stream's ∂v is ∂x's share itself:
+              // added to GX directly (its transpose is the identity).
+              if (r == 0) {
+                acc_t* gx = GX.data() + (n * gx_rows + pad + j) * d;
 #pragma omp simd
-              for (int64_t i = 0; i < d; ++i) dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
-              axpy(gqr, ds, v, d);
+                for (int64_t i = 0; i < d; ++i) {
+                  gx[i] += wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
+                  gqr[i] += ds * v[i];
+                }
+              } else {
+                acc_t* dv = dv0 + j * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; ++i) {
+                  dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
+                  gqr[i] += ds * v[i];
+                }
+              }
             }
-            const int64_t bank = n * L + std::max<int64_t>(r - 1, 0);
+            if (r == 0) continue;
+            const int64_t bank = n * L + r - 1;
             expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
-                                 r == 0 ? nullptr : cp + bank * K * d, r == 0 ? 1 : used[bank],
-                                 r == 0 ? K : lengths[r - 1], K, u0, u1, d);
+                                 cp + bank * K * d, used[bank], lengths[r - 1], K, u0, u1, d);
           }
         }
         for (int64_t n = 0; n < N; ++n) add_rows(gxp[n] + b * T * d, GX.data() + n * gx_rows * d, K, u0, u1, d);
