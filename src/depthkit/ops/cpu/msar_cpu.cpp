@@ -26,7 +26,7 @@
 // the expansion and in ∂x, which is exact; ∂c is computed for the taps within each kernel's length
 // (the optional kernel_lengths; all K without them) and is zero for the padding.
 // The expansions and their transposes run a tile of kTile tokens of one batch row at a time, in
-// register blocks (window_block): 4 rows × two registers of d (16 float32 values on AVX2, 32 on
+// register blocks (window_block): 8 rows (AVX-512; 4 on AVX2) × two registers of d (16 float32 values on AVX2, 32 on
 // AVX-512) summed in registers, each tap (or source row) read once for the 4 rows; ∂c is summed
 // over the tile before it is added to the group's partial, and ∂x gathers Σ_δ c_δ ⊙ ∂v_{s+δ} per
 // row s, one update of ∂x_s per tile.
@@ -178,7 +178,7 @@ void add_gate_weights_grad(acc_t* gW, const acc_t* U, const acc_t* Z, int64_t ro
 
 // The H_pre gates of a tile's nt tokens (eq. 13), shared by msar_fuse and its backward: per token
 // S = 1/rms(z) over its m·d entries, y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes S [rows] and
-// y, π [rows, m4] (rows = nt rounded up to 4; the backward needs all three).
+// y [rows, m4] (rows = nt rounded up to 4) and π [nt, m4] (its first m columns); the backward needs all three.
 template <class acc_t>
 void hpre_gates(acc_t* S, acc_t* y, acc_t* pre, const acc_t* Z, const acc_t* W4, const acc_t* b, acc_t alpha,
                 int64_t nt, int64_t m, int64_t m4, int64_t md, double eps) {
