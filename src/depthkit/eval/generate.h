@@ -1,0 +1,38 @@
+// Text generation with the incremental decoder (Transformer::start_decoding / extend): the
+// prompts are prefilled in one forward, then every unfinished sequence advances one position per
+// step. Sampling is temperature → top-k → top-p (nucleus) over the next-token distribution, with
+// one seeded generator, so a run is reproducible; temperature 0 (or top-k 1) is greedy.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace depthkit {
+
+class Transformer;
+
+struct Sampling {
+  double temperature = 1.0;  // 0: greedy (argmax; ties to the lower id)
+  int64_t top_k = 0;         // 0: all ids
+  double top_p = 1.0;        // 1: all ids
+  uint64_t seed = 0;
+};
+
+struct Generation {
+  std::vector<std::vector<int>> tokens;  // per prompt, the generated ids (without the prompt; with the
+                                         // end-of-document id when it ended the sequence)
+  int64_t prefill_tokens = 0, decode_tokens = 0;  // positions run by the prefill, by the decode steps
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+// Called with (prompt index, the id just generated); returning false finishes that sequence
+// (a stop string found). The id is already in the sequence's `tokens`.
+using OnToken = std::function<bool(size_t sequence, int token)>;
+
+// Generates up to `max_new_tokens` ids after each prompt (non-empty, ids < vocabulary), stopping a
+// sequence at `eos` (when ≥ 0) or when it reaches the model's context (model.seq_len positions).
+// Runs without gradients.
+Generation generate(Transformer& model, const std::vector<std::vector<int>>& prompts, int64_t max_new_tokens,
+                    const Sampling& sampling, int eos, const OnToken& on_token = {});
+
+}  // namespace depthkit
