@@ -174,7 +174,7 @@ int print_decoding(const Config& cfg, const std::vector<std::string>& kinds, con
   }
   // Each length needs a prefill before its timed positions; the full forwards are slow, so fewer.
   const int64_t cached_steps = std::min(steps, *std::min_element(lengths.begin(), lengths.end()) - 1);
-  const int64_t recompute_steps = std::min<int64_t>(steps, 5);
+  const int64_t recompute_steps = std::min<int64_t>(cached_steps, 10);
   const auto rows = bench_decoding(cfg, kinds, lengths, cached_steps, recompute_steps);
   if (json) {
     nlohmann::json j = nlohmann::json::array();

@@ -21,7 +21,8 @@ struct DecodeBenchRow {
 };
 
 // For each kind (residual.kind overrides of `cfg`, random weights) and each length: `steps`
-// positions decoded one at a time after a prefill, and `recompute_steps` full forwards, timed.
+// positions decoded one at a time after a prefill, and `recompute_steps` (≤ steps) full forwards,
+// timed alternately.
 // model.seq_len is raised to the longest length where it is shorter.
 std::vector<DecodeBenchRow> bench_decoding(const Config& cfg, const std::vector<std::string>& kinds,
                                            const std::vector<int64_t>& lengths, int64_t steps, int64_t recompute_steps);
