@@ -33,7 +33,7 @@ expect_error "'model.n_layers' must be in [1, 4096], got 0" -- params --config "
 expect_error "unknown key 'model.bogus'" -- bench --config "$SRC/configs/tiny.toml" --set model.bogus=1
 expect_error "--steps"                 -- bench --config "$SRC/configs/tiny.toml" --steps 0
 expect_error "'residual.kind'"         -- bench --config "$SRC/configs/tiny.toml" --kinds residual,bogus
-expect_error "--kinds: empty kind"     -- bench --config "$SRC/configs/tiny.toml" --kinds residual,,dar
+expect_error "--kinds: empty item"     -- bench --config "$SRC/configs/tiny.toml" --kinds residual,,dar
 expect_error "tiny, 0.1b or all"       -- bench --ops huge
 expect_error "'moe.expert_impl'"       -- bench --config "$SRC/configs/tiny-moe.toml" --set moe.expert_impl=fast
 expect_error "moe.expert_d_ff (6)"     -- bench --config "$SRC/configs/tiny-moe.toml" --set moe.expert_impl=grouped --set moe.expert_d_ff=6

@@ -33,6 +33,7 @@ int run(int argc, char** argv) {
   add_info(app, action);
   add_init(app, action);
   add_forward(app, action);
+  add_generate(app, action);
   add_compare(app, action);
   add_analyze(app, action);
   add_cost(app, action);

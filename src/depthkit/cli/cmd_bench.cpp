@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
+#include "depthkit/eval/decode_bench.h"
 #include "depthkit/train/op_bench.h"
 #include "depthkit/train/bench.h"
 #include "depthkit/util/error.h"
@@ -15,12 +16,13 @@ namespace depthkit::cli {
 
 namespace {
 
-std::vector<std::string> split_kinds(const std::string& list) {
+// A comma-separated list of option `option` (--kinds, --decode).
+std::vector<std::string> split_list(const std::string& list, const std::string& option) {
   std::vector<std::string> kinds;
   size_t start = 0;
   while (start <= list.size()) {
     const size_t end = std::min(list.find(',', start), list.size());
-    if (end == start) fail("--kinds: empty kind in \"", list, "\"");
+    if (end == start) fail(option, ": empty item in \"", list, "\"");
     kinds.push_back(list.substr(start, end - start));
     start = end + 1;
   }
@@ -156,13 +158,53 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
   return 0;
 }
 
+int print_decoding(const Config& cfg, const std::vector<std::string>& kinds, const std::string& list, int64_t steps,
+                   bool json) {
+  std::vector<int64_t> lengths;
+  for (const std::string& item : split_list(list, "--decode")) {
+    size_t used = 0;
+    int64_t T = 0;
+    try {
+      T = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || T < 2) fail("--decode: '", item, "' is not a context length ≥ 2");
+    lengths.push_back(T);
+  }
+  // Each length needs a prefill before its timed positions; the full forwards are slow, so fewer.
+  const int64_t cached_steps = std::min(steps, *std::min_element(lengths.begin(), lengths.end()) - 1);
+  const int64_t recompute_steps = std::min<int64_t>(steps, 5);
+  const auto rows = bench_decoding(cfg, kinds, lengths, cached_steps, recompute_steps);
+  if (json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& r : rows)
+      j.push_back({{"kind", r.kind}, {"length", r.length}, {"cached_ms", r.cached_ms},
+                   {"cached_tokens_per_s", r.cached_tokens_per_s()}, {"recompute_ms", r.recompute_ms},
+                   {"recompute_tokens_per_s", r.recompute_tokens_per_s()}, {"speedup", r.recompute_ms / r.cached_ms},
+                   {"cache_bytes", r.cache_bytes}});
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("one sequence, the next position at context length T: with the caches (median of %lld positions)\n"
+              "against the full forward of the T-position prefix (median of %lld)\n\n",
+              (long long)cached_steps, (long long)recompute_steps);
+  std::printf("%-14s %6s %10s %10s %13s %13s %8s %12s\n", "kind", "T", "cached ms", "tokens/s", "recompute ms",
+              "tokens/s", "speedup", "cache bytes");
+  for (const auto& r : rows)
+    std::printf("%-14s %6lld %10.3f %10.1f %13.3f %13.1f %7.1fx %12lld\n", r.kind.c_str(), (long long)r.length, r.cached_ms,
+                r.cached_tokens_per_s(), r.recompute_ms, r.recompute_tokens_per_s(), r.recompute_ms / r.cached_ms,
+                (long long)r.cache_bytes);
+  return 0;
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("bench", "time training steps on random tokens (on train.device), or the fused "
                                           "operators (--ops)");
   struct Args {
-    std::string config, kinds, ops;
+    std::string config, kinds, ops, decode;
     std::vector<std::string> sets, variants;
     int64_t steps = 20, warmup = 3, profile = 0, top = 25;
     bool json = false;
@@ -180,6 +222,9 @@ void add_bench(CLI::App& app, Action& action) {
           ->expected(1)
           ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--ops", a->ops, "time each fused operator against its reference: tiny, 0.1b or all");
+  cmd->add_option("--decode", a->decode,
+                  "decoding speed at these context lengths (e.g. 256,1024): the next position with the caches against "
+                  "the full forward, per kind (--kinds; default the config's)");
   cmd->add_option("--steps", a->steps, "timed steps (repeats with --ops)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_option("--warmup", a->warmup, "untimed warm-up steps")->check(CLI::Range(int64_t(0), int64_t(1) << 20));
   cmd->add_option("--profile", a->profile,
@@ -188,11 +233,15 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_option("--top", a->top, "operators to print per kind with --profile")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   cmd->add_flag("--json", a->json, "print JSON");
   variant_option->excludes("--kinds");
+  variant_option->excludes("--decode");
   cmd->callback([&action, a] {
     action = [a] {
       if (!a->ops.empty()) return print_ops(a->ops, a->steps, a->json);
       if (a->config.empty()) fail("bench: --config is required (or --ops to time the operators)");
       Config cfg = Config::load(a->config, a->sets);
+      if (!a->decode.empty())
+        return print_decoding(cfg, a->kinds.empty() ? std::vector<std::string>{cfg.residual.kind} : split_list(a->kinds, "--kinds"),
+                              a->decode, a->steps, a->json);
       std::vector<BenchVariant> variants;
       for (const auto& spec : a->variants) {
         variants.push_back(parse_variant(spec));
@@ -203,7 +252,7 @@ void add_bench(CLI::App& app, Action& action) {
       std::vector<BenchResult> results =
           !variants.empty()   ? run_bench_variants(cfg, variants, a->steps, a->warmup, a->profile)
           : a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup, a->profile)}
-                             : run_bench_kinds(cfg, split_kinds(a->kinds), a->steps, a->warmup, a->profile);
+                             : run_bench_kinds(cfg, split_list(a->kinds, "--kinds"), a->steps, a->warmup, a->profile);
       const double base = results[0].median_step_s;
       if (a->json) {
         nlohmann::json runs = nlohmann::json::array();

@@ -16,6 +16,7 @@ void add_bench(CLI::App& app, Action& action);
 void add_info(CLI::App& app, Action& action);
 void add_init(CLI::App& app, Action& action);
 void add_forward(CLI::App& app, Action& action);
+void add_generate(CLI::App& app, Action& action);
 void add_compare(CLI::App& app, Action& action);
 void add_analyze(CLI::App& app, Action& action);
 void add_cost(CLI::App& app, Action& action);

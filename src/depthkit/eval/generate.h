@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace depthkit {
@@ -21,17 +22,20 @@ struct Sampling {
 struct Generation {
   std::vector<std::vector<int>> tokens;  // per prompt, the generated ids (without the prompt; with the
                                          // end-of-document id when it ended the sequence)
+  // Per prompt, why it ended: "eos" (end-of-document), "stop" (on_token said so), "limit"
+  // (max_new_tokens), "context" (prompt and generated ids fill model.seq_len).
+  std::vector<std::string> stopped;
   int64_t prefill_tokens = 0, decode_tokens = 0;  // positions run by the prefill, by the decode steps
   double prefill_seconds = 0, decode_seconds = 0;
 };
 
-// Called with (prompt index, the id just generated); returning false finishes that sequence
-// (a stop string found). The id is already in the sequence's `tokens`.
+// Called with (prompt index, the id just generated), for every id but the end-of-document;
+// returning false finishes that sequence (a stop string found). The id is already in `tokens`.
 using OnToken = std::function<bool(size_t sequence, int token)>;
 
 // Generates up to `max_new_tokens` ids after each prompt (non-empty, ids < vocabulary), stopping a
 // sequence at `eos` (when ≥ 0) or when it reaches the model's context (model.seq_len positions).
-// Runs without gradients.
+// A prompt longer than model.seq_len is refused, naming it. Runs without gradients.
 Generation generate(Transformer& model, const std::vector<std::vector<int>>& prompts, int64_t max_new_tokens,
                     const Sampling& sampling, int eos, const OnToken& on_token = {});
 

@@ -8,6 +8,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/outer.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
 
 #include <cmath>
 
@@ -82,6 +83,35 @@ at::Tensor Attention::forward(const at::Tensor& h, const Rope& rope) const {
   auto [q, k, v] = ops.rope_qkv(qkv, rope, n_heads, n_kv_heads, 0);  // [B, T, heads, hd]
   auto o = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {}, 0.0,
                                             /*is_causal=*/true, std::nullopt, /*enable_gqa=*/n_kv_heads != n_heads);
+  return at::linear(o.transpose(1, 2).reshape({B, T, n_heads * head_dim}), cast_like(wo, o));
+}
+
+at::Tensor Attention::forward(const at::Tensor& h, const Rope& rope, KvCache& cache, const DecodeChunk& chunk) const {
+  const int64_t B = h.size(0), T = h.size(1);
+  auto x = ops.rms_norm(h, norm, eps);
+  auto qkv = at::linear(x, cast_like(at::cat({wq, wk, wv}), x));
+  at::Tensor q;
+  if (chunk.aligned) {
+    auto [q_all, k, v] = ops.rope_qkv(qkv, rope, n_heads, n_kv_heads, chunk.lengths[0]);
+    q = q_all;
+    cache.keys.narrow(2, chunk.lengths[0], T).copy_(k.transpose(1, 2));
+    cache.values.narrow(2, chunk.lengths[0], T).copy_(v.transpose(1, 2));
+  } else {
+    // Rows at different positions: each row's real positions rotated from its own offset; the
+    // padding's queries stay zero, and its keys never enter the cache.
+    q = at::zeros({B, T, n_heads, head_dim}, qkv.options());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = chunk.counts[size_t(b)], at_position = chunk.lengths[size_t(b)];
+      if (n == 0) continue;
+      auto [qb, kb, vb] = ops.rope_qkv(qkv.narrow(0, b, 1).narrow(1, 0, n), rope, n_heads, n_kv_heads, at_position);
+      q.narrow(0, b, 1).narrow(1, 0, n).copy_(qb);
+      cache.keys.narrow(0, b, 1).narrow(2, at_position, n).copy_(kb.transpose(1, 2));
+      cache.values.narrow(0, b, 1).narrow(2, at_position, n).copy_(vb.transpose(1, 2));
+    }
+  }
+  auto o = at::scaled_dot_product_attention(q.transpose(1, 2), cache.keys.narrow(2, 0, chunk.span),
+                                            cache.values.narrow(2, 0, chunk.span), chunk.mask, 0.0,
+                                            /*is_causal=*/false, std::nullopt, /*enable_gqa=*/n_kv_heads != n_heads);
   return at::linear(o.transpose(1, 2).reshape({B, T, n_heads * head_dim}), cast_like(wo, o));
 }
 

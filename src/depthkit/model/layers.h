@@ -7,6 +7,7 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "depthkit/config/config.h"
 
@@ -40,6 +41,22 @@ class BackboneOps {
   bool rms_norm_, rope_qkv_, swiglu_, cross_entropy_;
 };
 
+// One attention layer's keys and values while decoding, [B, KV, capacity, hd] each (position-major
+// per head, as the attention reads them), in the compute dtype.
+struct KvCache {
+  at::Tensor keys, values;
+};
+
+// A chunk of positions continuing a batch of sequences being decoded (Transformer::extend): what
+// every attention layer needs to place the chunk's keys and values and to read the cache.
+struct DecodeChunk {
+  std::vector<int64_t> lengths;  // positions each sequence held before the chunk
+  std::vector<int64_t> counts;   // the real positions of each row of the chunk (padding follows)
+  int64_t span = 0;              // positions the chunk's queries read: max_b lengths[b] + counts[b]
+  at::Tensor mask;               // bool [B, 1, T, span]: query t of row b sees positions ≤ lengths[b] + t
+  bool aligned = false;          // all lengths equal and every count = T: one RoPE call, one copy
+};
+
 // RMSNorm → grouped-query causal attention with RoPE → output projection. No biases. q, k and v
 // are one product with the three matrices stacked (they stay three parameters).
 struct Attention {
@@ -49,6 +66,9 @@ struct Attention {
   BackboneOps ops;
   Attention(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
   at::Tensor forward(const at::Tensor& h, const Rope& rope) const;  // [B, T, d] → [B, T, d]
+  // The same for a chunk of positions continuing decoded sequences: the chunk's real keys and
+  // values go into `cache`, and its queries read all of the sequence's cached positions.
+  at::Tensor forward(const at::Tensor& h, const Rope& rope, KvCache& cache, const DecodeChunk& chunk) const;
 };
 
 // RMSNorm → SwiGLU: W_down (silu(W_gate x) ⊙ W_up x). No biases. Gate and up are one product with

@@ -1,8 +1,14 @@
 #include "depthkit/model/transformer.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
 
 #include <utility>
 
@@ -102,20 +108,89 @@ at::Tensor Transformer::hidden(const at::Tensor& tokens, const AfterBranch& afte
   if (tokens.size(1) > cfg_.seq_len)
     fail("sequence of ", tokens.size(1), " tokens exceeds model.seq_len ", cfg_.seq_len);
   auto state = path_->begin(embed(tokens));
-  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
-    auto h = path_->read(*state, l);
-    path_->write(*state, l, branch(l, h));
-    if (after_branch) after_branch(l, *state);
-  }
-  collect_terms();
-  return ops_.rms_norm(path_->finish(*state), final_norm_, cfg_.norm_eps);
+  return run(*state, after_branch, nullptr);
 }
 
-at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
-  auto h = hidden(tokens, after_branch);
+at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding) {
+  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
+    auto h = path_->read(state, l);
+    const int64_t layer = (l - 1) / 2;
+    path_->write(state, l,
+                 decoding && l % 2 == 1
+                     ? attention_[layer].forward(h, *rope_, decoding->state.layers[layer], decoding->chunk)
+                     : branch(l, h));
+    if (after_branch) after_branch(l, state);
+  }
+  collect_terms();
+  return ops_.rms_norm(path_->finish(state), final_norm_, cfg_.norm_eps);
+}
+
+at::Tensor Transformer::head(const at::Tensor& h) const {
   // The head's product runs in the compute dtype; the logits, and so the cross-entropy and its
   // log-softmax, are taken in the parameters' dtype (float32 under bfloat16 compute).
   return at::linear(h, cast_like(lm_head_, h)).to(params_.dtype());
+}
+
+at::Tensor Transformer::logits(const at::Tensor& tokens, const AfterBranch& after_branch) {
+  return head(hidden(tokens, after_branch));
+}
+
+int64_t DecodeState::bytes() const {
+  int64_t n = pathway ? pathway->bytes() : 0;
+  for (const KvCache& c : layers) n += c.keys.nbytes() + c.values.nbytes();
+  return n;
+}
+
+DecodeState Transformer::start_decoding(int64_t batch, int64_t capacity) {
+  if (!rope_) fail("model built on the meta device cannot run");
+  if (capacity == 0) capacity = cfg_.seq_len;
+  if (batch < 1 || capacity < 1 || capacity > cfg_.seq_len)
+    fail("decoding: ", batch, " sequences of up to ", capacity, " positions; want at least 1 of 1 … model.seq_len ",
+         cfg_.seq_len);
+  DecodeState state;
+  state.capacity = capacity;
+  state.lengths.assign(size_t(batch), 0);
+  const auto options = embedding_.options().dtype(compute_);
+  const int64_t kv = cfg_.n_kv_heads, hd = cfg_.resolved_head_dim();
+  Building building(cat("the K/V caches of ", batch, " sequences of ", capacity, " positions (",
+                        2 * cfg_.n_layers * batch * kv * capacity * hd * int64_t(c10::elementSize(compute_)), " bytes)"));
+  for (int64_t i = 0; i < cfg_.n_layers; ++i)
+    state.layers.push_back({at::zeros({batch, kv, capacity, hd}, options), at::zeros({batch, kv, capacity, hd}, options)});
+  state.pathway = path_->start_cache(batch, at::zeros({0}, options));
+  return state;
+}
+
+at::Tensor Transformer::extend(DecodeState& state, const at::Tensor& tokens, const std::vector<int64_t>& counts) {
+  const int64_t B = int64_t(state.lengths.size());
+  if (tokens.dim() != 2 || tokens.size(0) != B || tokens.size(1) < 1 || int64_t(counts.size()) != B)
+    fail("decoding: a chunk of ", tokens.sizes(), " tokens with ", counts.size(), " counts continues ", B,
+         " sequences; want [", B, ", T ≥ 1] and ", B, " counts");
+  const int64_t T = tokens.size(1);
+  DecodeChunk chunk;
+  chunk.lengths = state.lengths;
+  chunk.counts = counts;
+  chunk.aligned = true;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = counts[size_t(b)], held = state.lengths[size_t(b)];
+    if (n < 0 || n > T) fail("decoding: row ", b, " of a chunk of ", T, " positions counts ", n, " real ones");
+    if (held + n > state.capacity)
+      fail("decoding: sequence ", b, " would hold ", held + n, " positions, beyond its cache's ", state.capacity,
+           " (model.seq_len ", cfg_.seq_len, ")");
+    chunk.span = std::max(chunk.span, held + n);
+    chunk.aligned = chunk.aligned && n == T && held == state.lengths[0];
+  }
+  at::NoGradGuard no_grad;
+  // Query t of row b, at position lengths[b] + t, sees the cached positions up to its own.
+  const auto index = at::TensorOptions().dtype(at::kLong).device(tokens.device());
+  const at::Tensor query_position =
+      at::tensor(state.lengths, index).view({B, 1, 1, 1}) + at::arange(T, index).view({1, 1, T, 1});
+  chunk.mask = at::arange(chunk.span, index).view({1, 1, 1, chunk.span}) <= query_position;
+  const at::Tensor embedded = embed(tokens);
+  auto path_state = state.pathway ? path_->resume(embedded, *state.pathway, counts) : path_->begin(embedded);
+  const Decoding decoding{state, chunk};
+  at::Tensor h = run(*path_state, {}, &decoding);
+  for (int64_t b = 0; b < B; ++b) state.lengths[size_t(b)] += counts[size_t(b)];
+  return h;
 }
 
 at::Tensor Transformer::lm_loss(const at::Tensor& batch) {

@@ -37,6 +37,17 @@ struct MoeTerms {
   std::vector<double> load_max_over_mean() const;
 };
 
+// A batch of sequences being decoded (docs/design.md, "Decoding"): every attention layer's keys
+// and values, and what the pathway carries between chunks (MSAR's convolution tails; nothing for
+// the others, whose reads are per position).
+struct DecodeState {
+  std::vector<KvCache> layers;
+  std::vector<int64_t> lengths;           // positions each sequence holds
+  int64_t capacity = 0;                   // positions a sequence can hold (≤ model.seq_len)
+  std::unique_ptr<PathwayCache> pathway;  // null where the pathway carries nothing
+  int64_t bytes() const;                  // the caches' memory
+};
+
 // The compute dtype train.dtype names: float32, or bfloat16 (mixed precision).
 at::ScalarType compute_dtype_of(const TrainConfig& train);
 
@@ -57,6 +68,19 @@ class Transformer {
   at::Tensor logits(const at::Tensor& tokens, const AfterBranch& after_branch = {});
   // int64 [B, T] → the final-normalised hidden states [B, T, d] the LM head takes (compute dtype).
   at::Tensor hidden(const at::Tensor& tokens, const AfterBranch& after_branch = {});
+  // The LM head: final-normalised hidden states [..., d] → logits [..., V] in the parameters' dtype.
+  at::Tensor head(const at::Tensor& hidden) const;
+
+  // Incremental decoding (docs/design.md, "Decoding"). start_decoding makes the empty state of
+  // `batch` sequences holding up to `capacity` positions (0: model.seq_len). extend runs a chunk
+  // int64 [B, T] continuing them: row b's first counts[b] ids are real (0 … T; padding follows,
+  // and is ignored), at positions lengths[b] … lengths[b] + counts[b] − 1. It returns the chunk's
+  // final-normalised hidden states [B, T, d] (head() makes logits; the padding's rows are
+  // meaningless) and advances the state. Prefill + extend one position at a time equals hidden()
+  // on the whole sequence. Runs without gradients.
+  DecodeState start_decoding(int64_t batch, int64_t capacity = 0);
+  at::Tensor extend(DecodeState& state, const at::Tensor& tokens, const std::vector<int64_t>& counts);
+
   // int64 [B, T+1] → the loss training optimises, in the parameters' dtype: the mean next-token
   // cross-entropy, plus for an MoE backbone its auxiliary losses (moe_terms() has the parts).
   at::Tensor loss(const at::Tensor& batch);
@@ -91,6 +115,13 @@ class Transformer {
   mutable std::vector<MoeStats> stats_;                  // per layer, the last branch() call's
   MoeTerms terms_;
   void collect_terms();
+  // The branches over a begun pathway state, then the final norm: hidden() and extend() (with
+  // `decoding`, whose attention reads and fills the caches).
+  struct Decoding {
+    DecodeState& state;
+    const DecodeChunk& chunk;
+  };
+  at::Tensor run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding);
   std::unique_ptr<ResidualPathway> path_;
   std::unique_ptr<Rope> rope_;
 };

@@ -1,9 +1,11 @@
 #include "depthkit/pathways/msar.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <numeric>
@@ -20,6 +22,18 @@
 namespace depthkit {
 
 namespace {
+// Decoding (docs/design.md, "Decoding"): per bank k = 0 … L_b − 1, the last K − 1 positions of the
+// one tensor bank k expands in a forward (the embedding, or the state after branch k: a partial,
+// or the completed source it becomes), [B, K − 1, d]; zeros before position 0, as the convolution's.
+struct Tails final : PathwayCache {
+  std::vector<at::Tensor> bank;
+  int64_t bytes() const override {
+    int64_t n = 0;
+    for (const at::Tensor& t : bank) n += t.nbytes();
+    return n;
+  }
+};
+
 struct Sources final : PathwayState {
   // The completed sources, single-stream [B, T, d] each (expanded at each read), and their banks
   // [m − 1, d, K]: lists, never stacked (msar_ops.h).
@@ -27,15 +41,41 @@ struct Sources final : PathwayState {
   at::Tensor partial;     // the current block's sum; undefined at block start
   at::Tensor last_input;  // h_ℓ of the last read (for the final residual merge)
   at::Tensor last_output; // f_ℓ(h_ℓ) of the last write
+  // Decoding: the cache this chunk continues, and each row's real positions. Every tensor a bank
+  // expands then carries the bank's tail before its T positions (`reach` rows), so the operators
+  // see each real position's whole window; their outputs drop those rows again.
+  Tails* tails = nullptr;
+  std::vector<int64_t> counts;
+  int64_t reach = 0;
 };
 Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
+
+// x [B, T, d] with bank k's tail before it, [B, reach + T, d]; the tail becomes the last `reach`
+// real positions of the result. Without a cache, x.
+at::Tensor with_past(Sources& s, int64_t bank, const at::Tensor& x) {
+  if (!s.tails) return x;
+  at::Tensor& tail = s.tails->bank[size_t(bank)];
+  at::Tensor extended = at::cat({tail, x}, 1);
+  const int64_t T = x.size(1);
+  bool full = true;
+  for (int64_t c : s.counts) full = full && c == T;
+  if (full) {
+    tail = extended.narrow(1, T, s.reach).contiguous();
+  } else {  // row b's real positions end at reach + counts[b]
+    std::vector<at::Tensor> rows;
+    for (size_t b = 0; b < s.counts.size(); ++b) rows.push_back(extended[int64_t(b)].narrow(0, s.counts[b], s.reach));
+    tail = at::stack(rows);
+  }
+  return extended;
+}
 }  // namespace
 
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : schedule_{residual.block_sublayers, model.n_branches(), false}, m_(residual.streams), conv_(residual.conv),
       mean_fusion_(residual.fusion == "mean"),
       ops_(residual.impl, params.device().type(), {"msar_read", "msar_fuse"}), d_(model.d_model),
-      kernels_(residual.kernels), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
+      kernels_(residual.kernels), reach_(0), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
+  if (conv_ && m_ > 1) reach_ = *std::max_element(kernels_.begin(), kernels_.end()) - 1;
   const int64_t d = model.d_model;
   for (int64_t l = 1; l <= schedule_.branches; ++l) {
     const std::string p = "residual." + std::to_string(l) + ".";
@@ -65,7 +105,7 @@ at::Tensor Msar::taps(int64_t bank) const {
 
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
-  s.raw.push_back(fused::shared_source(source));  // its reads add its gradient into one buffer
+  s.raw.push_back(fused::shared_source(with_past(s, bank, source)));  // its reads add its gradient into one buffer
   s.taps.push_back(taps(bank));
 }
 
@@ -75,10 +115,27 @@ std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
   return s;
 }
 
+std::unique_ptr<PathwayCache> Msar::start_cache(int64_t batch, const at::Tensor& like) const {
+  if (reach_ == 0) return nullptr;
+  auto tails = std::make_unique<Tails>();
+  for (int64_t k = 0; k < schedule_.branches; ++k) tails->bank.push_back(at::zeros({batch, reach_, d_}, like.options()));
+  return tails;
+}
+
+std::unique_ptr<PathwayState> Msar::resume(const at::Tensor& embedding, PathwayCache& cache,
+                                           const std::vector<int64_t>& counts) {
+  auto s = std::make_unique<Sources>();
+  s->tails = &static_cast<Tails&>(cache);
+  s->counts = counts;
+  s->reach = reach_;
+  append(*s, embedding, 0);
+  return s;
+}
+
 at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
-  if (observer_) observe_read(state, l);
+  if (observer_ && !s.tails) observe_read(state, l);  // not while decoding
   auto read = ops_.fused("msar_read") ? fused::msar_read : reference::msar_read;
   auto fuse = ops_.fused("msar_fuse") ? fused::msar_fuse : reference::msar_fuse;
   // The parameters in the activations' dtype: the operators take one dtype.
@@ -93,9 +150,11 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
-  s.last_input = fuse(out, lse, queries, with_partial ? s.partial : at::Tensor(),
+  at::Tensor h = fuse(out, lse, queries, with_partial ? with_past(s, l - 1, s.partial) : at::Tensor(),
                       with_partial ? in_dtype(taps(l - 1)) : at::Tensor(), in_dtype(b.w_pre), in_dtype(b.b_pre),
                       in_dtype(b.alpha_pre), kKeyNormEps, lengths);
+  // While decoding, every expanded tensor carried its bank's tail first (with_past); those rows go.
+  s.last_input = s.tails ? h.narrow(1, s.reach, h.size(1) - s.reach) : h;
   return s.last_input;
 }
 

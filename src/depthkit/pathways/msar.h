@@ -41,6 +41,12 @@ class Msar final : public ResidualPathway {
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
   std::map<std::string, bool> operators() const override { return ops_.all(); }
+  // Decoding: each bank's convolution reaches κ − 1 positions back, so the cache holds, per bank,
+  // the last K − 1 positions of the tensor it expands (K the largest kernel); none without
+  // convolutions (conv = false, or m = 1).
+  std::unique_ptr<PathwayCache> start_cache(int64_t batch, const at::Tensor& like) const override;
+  std::unique_ptr<PathwayState> resume(const at::Tensor& embedding, PathwayCache& cache,
+                                       const std::vector<int64_t>& counts) override;
 
   static constexpr double kPreScale = 0.01;
 
@@ -64,6 +70,7 @@ class Msar final : public ResidualPathway {
   OperatorChoice ops_;  // msar_read, msar_fuse: fused (ops/msar_ops.h) or reference
   int64_t d_;
   std::vector<int64_t> kernels_;
+  int64_t reach_;  // K − 1 with convolutions, else 0: how far back an expansion reads
   std::vector<Branch> branch_;                  // index ℓ
   std::vector<std::vector<at::Tensor>> bank_;   // bank_[k][r − 1]: [d, κ_r], k = 0 … L_b − 1
 };

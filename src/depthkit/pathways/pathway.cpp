@@ -8,6 +8,10 @@ void ResidualPathway::set_stream_states(PathwayState&, const std::vector<at::Ten
   fail("residual.kind \"", kind(), "\": the pathway keeps no streams to replace");
 }
 
+std::unique_ptr<PathwayState> ResidualPathway::resume(const at::Tensor&, PathwayCache&, const std::vector<int64_t>&) {
+  fail("residual.kind \"", kind(), "\": the pathway carries nothing between chunks, so it has no cache to resume from");
+}
+
 void check_stream_count(const std::vector<at::Tensor>& states, size_t expected, const std::string& kind) {
   if (states.size() != expected)
     fail("residual.kind \"", kind, "\": ", states.size(), " stream states given, the pathway keeps ", expected);

@@ -69,6 +69,13 @@ struct PathwayState {
   virtual ~PathwayState() = default;
 };
 
+// What a pathway carries from one chunk of positions to the next while decoding (docs/design.md,
+// "Decoding"): only MSAR's, whose causal convolutions reach back across chunks.
+struct PathwayCache {
+  virtual ~PathwayCache() = default;
+  virtual int64_t bytes() const = 0;
+};
+
 class ResidualPathway {
  public:
   virtual ~ResidualPathway() = default;
@@ -81,6 +88,16 @@ class ResidualPathway {
   virtual void write(PathwayState& state, int64_t branch, const at::Tensor& out) = 0;
   // The hidden state handed to the final RMSNorm, [B, T, d].
   virtual at::Tensor finish(PathwayState& state) = 0;
+
+  // Decoding: the backbone runs a batch of sequences in chunks of positions (a prompt, then one
+  // position at a time). A pathway whose reads at a position use only that position's states (every
+  // pathway but MSAR) carries nothing between chunks: begin() on a chunk is exact, and it returns
+  // no cache. Otherwise start_cache() makes what B sequences carry, empty (nothing before position 0).
+  virtual std::unique_ptr<PathwayCache> start_cache(int64_t batch, const at::Tensor& like) const { return nullptr; }
+  // begin() for a chunk [B, T, d] continuing the sequences of `cache`, whose row b holds counts[b]
+  // real positions (then padding, which never reaches the cache); updates the cache.
+  virtual std::unique_ptr<PathwayState> resume(const at::Tensor& embedding, PathwayCache& cache,
+                                               const std::vector<int64_t>& counts);
   // The pathway's current per-stream states after the last write, [B, T, d] each (the residual
   // stream; DAR's two streams: the block's partial [P⁰, P¹], or the newest completed entry
   // [H⁰, H¹] at a block boundary; mHC's m streams). Empty where the pathway keeps no streams.

@@ -1,0 +1,136 @@
+// depthkit generate: text from a run's checkpoint, decoded incrementally (eval/generate.h).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "depthkit/cli/commands.h"
+#include "depthkit/data/tokenizer.h"
+#include "depthkit/eval/generate.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/train/trainer.h"
+#include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
+
+namespace depthkit::cli {
+
+namespace {
+
+struct GenerateArgs {
+  std::string run_dir, checkpoint, data, prompt, prompt_file;
+  int64_t max_new_tokens = 128;
+  Sampling sampling;
+  bool json = false;
+};
+
+// Prints the decoded continuation as it grows. A byte-fallback character arrives in several ids,
+// and decoding its first bytes alone gives U+FFFD, so a trailing U+FFFD is held back until the
+// character completes (or the text ends).
+class TextStream {
+ public:
+  explicit TextStream(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+  void add(int id) {
+    ids_.push_back(id);
+    emit(false);
+  }
+  void finish() { emit(true); }
+
+ private:
+  void emit(bool last) {
+    std::string text = tokenizer_.decode(ids_);
+    static const std::string replacement = "\xEF\xBF\xBD";
+    if (!last && text.size() >= replacement.size() && text.compare(text.size() - 3, 3, replacement) == 0) return;
+    // Decoding more ids only appends, except across that held-back character.
+    const size_t common = text.compare(0, printed_.size(), printed_) == 0 ? printed_.size() : 0;
+    std::fwrite(text.data() + common, 1, text.size() - common, stdout);
+    std::fflush(stdout);
+    printed_ = std::move(text);
+  }
+  const Tokenizer& tokenizer_;
+  std::vector<int> ids_;
+  std::string printed_;
+};
+
+int run_generate(const GenerateArgs& a) {
+  if (a.prompt.empty() == a.prompt_file.empty()) fail("generate: give exactly one of --prompt and --prompt-file");
+  const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file, uintmax_t(16) << 20);
+  if (prompt.empty()) fail(a.prompt_file.empty() ? std::string("--prompt") : a.prompt_file, ": the prompt is empty");
+  Config cfg = load_run_config(a.run_dir, {});
+  auto dir = find_checkpoint(a.run_dir, a.checkpoint);
+  if (!dir) fail(a.run_dir, ": run has no checkpoint");
+  Checkpoint ck = load_checkpoint(*dir, false);
+  Config ck_cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
+  const fs::path tokenizer_path = fs::path(a.data.empty() ? ck_cfg.data.dir : a.data) / "tokenizer.model";
+  if (!fs::is_regular_file(tokenizer_path))
+    fail(tokenizer_path.string(), ": no tokenizer there (the run's data.dir, prepared by `depthkit data prepare`); "
+         "give the prepared data directory with --data");
+  const Tokenizer tokenizer(tokenizer_path.string());
+  if (tokenizer.vocab_size() > ck_cfg.model.vocab_size)
+    fail(tokenizer_path.string(), ": its ", tokenizer.vocab_size(), " ids exceed the model's model.vocab_size ",
+         ck_cfg.model.vocab_size);
+  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
+  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0, at::kFloat, compute_dtype_of(ck_cfg.train));
+  model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
+
+  // The prompt starts a document: in training every document but the first follows the
+  // end-of-document id, so the prompt does too.
+  std::vector<int> ids = {tokenizer.eos_id()};
+  for (int id : tokenizer.encode(prompt)) ids.push_back(id);
+  TextStream stream(tokenizer);
+  OnToken print;
+  if (!a.json) print = [&stream](size_t, int id) { stream.add(id); return true; };
+  const Generation g = generate(model, {ids}, a.max_new_tokens, a.sampling, tokenizer.eos_id(), print);
+  std::vector<int> text_ids = g.tokens[0];
+  if (!text_ids.empty() && text_ids.back() == tokenizer.eos_id()) text_ids.pop_back();
+  const double prefill_rate = g.prefill_tokens / std::max(g.prefill_seconds, 1e-9);
+  const double decode_rate = g.decode_tokens > 0 ? g.decode_tokens / std::max(g.decode_seconds, 1e-9) : 0.0;
+  if (a.json) {
+    nlohmann::json j = {{"checkpoint", dir->string()},
+                        {"step", ck.state.step},
+                        {"text", tokenizer.decode(text_ids)},
+                        {"prompt_tokens", int64_t(ids.size())},
+                        {"generated_tokens", int64_t(g.tokens[0].size())},
+                        {"stopped", g.stopped[0]},
+                        {"prefill_tokens", g.prefill_tokens},
+                        {"prefill_seconds", g.prefill_seconds},
+                        {"prefill_tokens_per_s", prefill_rate},
+                        {"decode_tokens", g.decode_tokens},
+                        {"decode_seconds", g.decode_seconds},
+                        {"decode_tokens_per_s", decode_rate},
+                        {"sampling",
+                         {{"temperature", a.sampling.temperature},
+                          {"top_k", a.sampling.top_k},
+                          {"top_p", a.sampling.top_p},
+                          {"seed", a.sampling.seed}}}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    stream.finish();
+    std::fprintf(stderr, "\n%s (step %lld): prefill %lld tokens at %.1f tokens/s, decode %lld tokens at %.1f tokens/s; stopped: %s\n",
+                 dir->c_str(), (long long)ck.state.step, (long long)g.prefill_tokens, prefill_rate,
+                 (long long)g.decode_tokens, decode_rate, g.stopped[0].c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_generate(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("generate", "write text from a checkpoint, decoding incrementally");
+  auto a = std::make_shared<GenerateArgs>();
+  cmd->add_option("--run-dir", a->run_dir, "run directory")->required();
+  cmd->add_option("--checkpoint", a->checkpoint, "checkpoint name, e.g. step_00000100 (default: latest)");
+  cmd->add_option("--data", a->data, "prepared data directory holding tokenizer.model (default: the run's data.dir)");
+  cmd->add_option("--prompt", a->prompt, "the prompt text");
+  cmd->add_option("--prompt-file", a->prompt_file, "a file whose whole text is the prompt");
+  cmd->add_option("--max-new-tokens", a->max_new_tokens, "ids to generate at most (default 128)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temperature", a->sampling.temperature, "sampling temperature; 0 is greedy (default 1)");
+  cmd->add_option("--top-k", a->sampling.top_k, "sample among the k most likely ids; 0: all (default 0)");
+  cmd->add_option("--top-p", a->sampling.top_p, "sample among the most likely ids of this much mass (default 1)");
+  cmd->add_option("--seed", a->sampling.seed, "the sampler's seed (default 0)");
+  cmd->add_flag("--json", a->json, "print one JSON object (text, counts, tokens/s) instead of streaming the text");
+  cmd->callback([&action, a] { action = [a] { return run_generate(*a); }; });
+}
+
+}  // namespace depthkit::cli
