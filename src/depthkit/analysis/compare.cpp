@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -11,6 +12,8 @@
 
 #include "depthkit/analysis/plots.h"
 #include "depthkit/config/config.h"
+#include "depthkit/data/tokenizer.h"
+#include "depthkit/eval/tasks.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/util/error.h"
@@ -113,6 +116,66 @@ nlohmann::json mean_series(const std::string& label, const std::map<int64_t, std
   return series;
 }
 
+// A 64-bit FNV-1a hash of a file's bytes, in hex: a kept task result is reused only for the same file.
+std::string content_hash(const fs::path& file) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : read_file(file)) h = (h ^ c) * 0x100000001b3ull;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
+  return buf;
+}
+
+// Scores each task on the final checkpoint of every run and seed, keeping each result in
+// OUT/tasks/<run>-seed<s>.<task>.json; returns, per task in the spec's order, its name and the
+// results by run label.
+using TaskScores = std::vector<std::pair<std::string, std::map<std::string, nlohmann::json>>>;
+TaskScores score_tasks(const CompareSpec& spec, const fs::path& out) {
+  TaskScores scores;
+  if (spec.tasks.empty()) return scores;
+  std::vector<Task> tasks;
+  std::vector<std::string> hashes;
+  for (const auto& t : spec.tasks) {
+    tasks.push_back(load_task(t));
+    hashes.push_back(content_hash(t));
+    scores.emplace_back(tasks.back().name, std::map<std::string, nlohmann::json>{});
+  }
+  fs::create_directories(out / "tasks");
+  for (const auto& r : spec.runs)
+    for (int64_t seed : spec.seeds) {
+      const std::string label = run_label(r, seed);
+      const fs::path run_dir = out / "runs" / label;
+      const auto checkpoint = find_checkpoint(run_dir);
+      if (!checkpoint) fail(run_dir.string(), ": run has no checkpoint to score the tasks on");
+      const int64_t step = load_checkpoint(*checkpoint, false).state.step;
+      std::optional<RunModel> run;  // loaded once, when a task needs scoring
+      std::unique_ptr<Tokenizer> tokenizer;
+      for (size_t k = 0; k < tasks.size(); ++k) {
+        std::string file_name = tasks[k].name;  // the name as a file name: other bytes become '_'
+        for (char& c : file_name)
+          if (!std::isalnum((unsigned char)c) && c != '.' && c != '_' && c != '-') c = '_';
+        const fs::path kept = out / "tasks" / (label + "." + file_name + ".json");
+        if (fs::exists(kept)) {
+          auto j = nlohmann::json::parse(read_file(kept), nullptr, false);
+          if (!j.is_discarded() && j.value("file_hash", "") == hashes[k] && j.value("step", int64_t(-1)) == step) {
+            scores[k].second[label] = j;
+            continue;
+          }
+        }
+        if (!run) {
+          run.emplace(load_run_model(run_dir));
+          tokenizer = load_task_tokenizer(run->config.data.dir, run->config.model.vocab_size);
+        }
+        std::fprintf(stderr, "compare: scoring %s on task %s\n", label.c_str(), tasks[k].name.c_str());
+        nlohmann::json j = evaluate_task(*run->model, *tokenizer, tasks[k], TaskOptions{}).to_json();
+        j["step"] = step;
+        j["file_hash"] = hashes[k];
+        write_file_atomic(kept, j.dump(2) + "\n");
+        scores[k].second[label] = j;
+      }
+    }
+  return scores;
+}
+
 }  // namespace
 
 CompareSpec load_compare_spec(const fs::path& file, const std::vector<std::string>& extra_sets) {
@@ -125,7 +188,7 @@ CompareSpec load_compare_spec(const fs::path& file, const std::vector<std::strin
     fail(file.string(), ":", b.line, ":", b.column, ": TOML syntax error: ", e.description());
   }
   const std::string f = file.string();
-  check_keys(root, {"base", "seeds", "set", "baseline", "smooth", "run"}, f);
+  check_keys(root, {"base", "seeds", "set", "baseline", "smooth", "run", "tasks"}, f);
   CompareSpec spec;
   spec.file = file;
   auto base = root["base"].value<std::string>();
@@ -186,6 +249,19 @@ CompareSpec load_compare_spec(const fs::path& file, const std::vector<std::strin
     for (const auto& r : spec.runs)
       if (r.kind == "residual" && spec.baseline.empty()) spec.baseline = r.name;
   }
+  // Every task must load before anything trains, under a name of its own (the table's column).
+  spec.tasks = string_list(root.get("tasks"), f + ": key 'tasks'");
+  std::set<std::string> task_names;
+  for (const auto& t : spec.tasks) {
+    Task task;
+    try {
+      task = load_task(t);
+    } catch (const Error& e) {
+      fail(f, ": key 'tasks': ", e.what());
+    }
+    if (!task_names.insert(task.name).second)
+      fail(f, ": key 'tasks': two tasks are named '", task.name, "' (", t, "); give one a \"name\" in its header");
+  }
   // Every run's configuration must load before anything trains.
   const int64_t data_seed = base_data_seed(spec);
   for (const auto& r : spec.runs) {
@@ -243,6 +319,8 @@ nlohmann::json run_compare(const CompareOptions& opt) {
     }
   }
 
+  const auto task_scores = score_tasks(spec, out);
+
   // Collect.
   nlohmann::json runs = nlohmann::json::array();
   nlohmann::json curves = {{"title", "training loss: " + spec.file.stem().string()},
@@ -299,6 +377,16 @@ nlohmann::json run_compare(const CompareOptions& opt) {
       j["router_balance"] = mean(balances);  // the last tenth of the run, mean over seeds
       aux_curves["series"].push_back(mean_series(r.name, balance_curve, spec.seeds.size(), "loss"));
     }
+    // Each task's accuracy (its primary metric) per seed, then its mean and spread over seeds.
+    for (const auto& [task, by_run] : task_scores) {
+      std::vector<double> acc;
+      for (size_t k = 0; k < spec.seeds.size(); ++k) {
+        const auto& t = by_run.at(run_label(r, spec.seeds[k]));
+        acc.push_back(t["accuracy"][t["metric"].get<std::string>()]["value"].get<double>());
+        j["seeds"][k]["tasks"][task] = acc.back();
+      }
+      j["tasks"][task] = {{"accuracy_mean", mean(acc)}, {"accuracy_std", number_or_null(sample_std(acc))}};
+    }
     if (r.name == spec.baseline) baseline_loss = mean(losses);
     runs.push_back(j);
     curves["series"].push_back(mean_series(r.name, curve, spec.seeds.size(), "loss"));
@@ -310,6 +398,13 @@ nlohmann::json run_compare(const CompareOptions& opt) {
                             {"seeds", spec.seeds}, {"data_seed", data_seed}, {"baseline", spec.baseline},
                             {"tokens_per_run", tokens_per_run}, {"eval_tokens", eval_tokens},
                             {"train_seconds_total", total_seconds}, {"runs", runs}};
+  // What each task column holds: the metric, the items, the shots, chance.
+  results["tasks"] = nlohmann::json::array();
+  for (const auto& [task, by_run] : task_scores) {
+    const auto& any = by_run.begin()->second;
+    results["tasks"].push_back({{"name", task}, {"file", any["file"]}, {"type", any["type"]}, {"metric", any["metric"]},
+                                {"items", any["items"]}, {"shots", any["shots"]}, {"chance", any["chance"]}});
+  }
   write_file_atomic(out / "table.md", compare_table(results));
   write_file_atomic(out / "loss_curves.json", curves.dump() + "\n");
   render_plot("curves", out / "loss_curves.json", out / "loss_curves.png");
@@ -333,10 +428,18 @@ std::string compare_table(const nlohmann::json& results) {
   char buf[128];
   bool moe = false;  // a column for the router's balance when some run has an MoE backbone
   for (const auto& r : results["runs"]) moe = moe || r.contains("router_balance");
+  // A column per downstream task (MSAR Table 1): accuracy in %, by the metric its header names.
+  const nlohmann::json tasks = results.value("tasks", nlohmann::json::array());
+  std::string task_header, task_rule;
+  for (const auto& task : tasks) {
+    task_header += cat(" ", task["name"].get<std::string>(),
+                       task["metric"] == "per_token" ? " acc. % (per-token LL)" : " exact match %", " |");
+    task_rule += "---|";
+  }
   std::string t = cat("| run | kind | parameters (residual) | validation loss | Δ vs ",
                       results["baseline"].get<std::string>().empty() ? "—" : results["baseline"].get<std::string>(),
-                      " | tokens/s | peak memory |", moe ? " router balance |" : "", "\n|---|---|---|---|---|---|---|",
-                      moe ? "---|" : "", "\n");
+                      " |", task_header, " tokens/s | peak memory |", moe ? " router balance |" : "",
+                      "\n|---|---|---|---|---|", task_rule, "---|---|", moe ? "---|" : "", "\n");
   const size_t n_seeds = results["seeds"].size();
   for (const auto& r : results["runs"]) {
     const auto& p = r["parameters"];
@@ -352,11 +455,21 @@ std::string compare_table(const nlohmann::json& results) {
       std::snprintf(buf, sizeof buf, "%+.2f %%", r["delta_percent"].get<double>());
       delta = buf;
     }
+    std::string accuracies;
+    for (const auto& task : tasks) {
+      const auto& a = r["tasks"][task["name"].get<std::string>()];
+      if (a["accuracy_std"].is_null())
+        std::snprintf(buf, sizeof buf, " %.1f |", 100 * a["accuracy_mean"].get<double>());
+      else
+        std::snprintf(buf, sizeof buf, " %.1f ± %.1f |", 100 * a["accuracy_mean"].get<double>(),
+                      100 * a["accuracy_std"].get<double>());
+      accuracies += buf;
+    }
     std::snprintf(buf, sizeof buf, "%.0f | %.0f MiB", r["tokens_per_s"].get<double>(),
                   double(r["peak_tensor_bytes"].get<int64_t>()) / (1 << 20));
     t += cat("| ", r["name"].get<std::string>(), " | ", r["kind"].get<std::string>(), " | ",
              group(p["total"].get<int64_t>()), " (", group(p["residual"].get<int64_t>()), ") | ", loss, " | ", delta,
-             " | ", buf, " |");
+             " |", accuracies, " ", buf, " |");
     if (moe) {
       std::snprintf(buf, sizeof buf, " %.4f |", r.value("router_balance", NAN));
       t += r.contains("router_balance") ? std::string(buf) : " — |";
@@ -370,6 +483,16 @@ std::string compare_table(const nlohmann::json& results) {
            "training steps and peak tensor memory (parameters, optimizer state, activations) of each run, averaged "
            "over seeds; ", buf,
            " min of training in all.\n");
+  for (const auto& task : tasks) {
+    const bool choice = task["type"] == "multiple_choice";
+    std::snprintf(buf, sizeof buf, "%.1f", choice ? 100 * task["chance"].get<double>() : 0.0);
+    t += cat(task["name"].get<std::string>(), " (", task["file"].get<std::string>(), ", ", task["items"].get<int64_t>(),
+             " items, ", task["shots"].get<int64_t>(), "-shot): ",
+             choice ? "accuracy of the candidate with the highest mean log-likelihood per token (the lowest "
+                      "conditional perplexity), chance " + std::string(buf) + " %"
+                    : std::string("exact match of the greedy answer"),
+             "; mean ± sample standard deviation over seeds, of each seed's final checkpoint.\n");
+  }
   if (moe)
     t += "Router balance: the auxiliary load-balancing term n_experts · Σ_e f_e · P_e, mean over MoE layers, averaged "
          "over the logged steps of the last tenth of training (1.0 = uniform use; DAR Fig. A.2); its curves are in "

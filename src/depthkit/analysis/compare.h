@@ -9,6 +9,8 @@
 //   baseline = "residual"              # the run the change in % refers to (optional; default:
 //                                      # the first run of kind "residual")
 //   smooth = 10                        # moving-average window of the curves, in logged points
+//   tasks = ["data/pydoc-cloze.jsonl"] # downstream tasks (docs/tasks.md) each run's final
+//                                      # checkpoint is scored on, with the task's own shots and seed
 //   [[run]]
 //   name = "dar-block"                 # [A-Za-z0-9._-]
 //   kind = "dar"
@@ -19,6 +21,9 @@
 // OUT/runs/<name>-seed<s>, with train.data_seed fixed to the base config's train.seed, so that all
 // runs and seeds see the same batches in the same order. A run with summary.json is finished
 // and is not trained again; one with a checkpoint continues from it (--resume).
+// Tasks are scored in this process after training, each result kept in OUT/tasks/ and reused while
+// the task file and the checkpoint's step are the same; they are not part of the spec a --resume
+// must repeat, so tasks can be added to a finished comparison.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -41,6 +46,7 @@ struct CompareSpec {
   std::string baseline;  // a run name
   int64_t smooth = 10;
   std::vector<CompareRun> runs;
+  std::vector<std::string> tasks;  // task files, relative to the working directory
 };
 
 // Parses and checks a spec; `extra_sets` are appended to its `set`. Every run's configuration is

@@ -1,14 +1,16 @@
 // depthkit data prepare: documents → SentencePiece BPE tokenizer → llm.c token shards.
+// depthkit data make-task: the built-in cloze task from a prepared corpus's held-out documents.
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
 #include "depthkit/data/prepare.h"
+#include "depthkit/eval/cloze.h"
 
 namespace depthkit::cli {
 
 void add_data(CLI::App& app, Action& action) {
-  auto* data = app.add_subcommand("data", "prepare token shards")->require_subcommand(1);
+  auto* data = app.add_subcommand("data", "prepare token shards; build the built-in task")->require_subcommand(1);
   auto* prep = data->add_subcommand("prepare", "train a tokenizer, split by document, write shards");
   auto opt = std::make_shared<PrepareOptions>();
   auto json = std::make_shared<bool>(false);
@@ -37,6 +39,37 @@ void add_data(CLI::App& app, Action& action) {
                     "unigram entropy %.4f nats/token\n",
                     opt->out_dir.c_str(), r.vocab_size, (long long)r.train_tokens, (long long)r.train_docs,
                     (long long)r.val_tokens, (long long)r.val_docs, r.unigram_entropy_nats);
+      return 0;
+    };
+  });
+
+  auto* task = data->add_subcommand("make-task", "build a multiple-choice cloze task from the held-out documents");
+  auto copt = std::make_shared<ClozeOptions>();
+  auto task_json = std::make_shared<bool>(false);
+  task->add_option("--data", copt->data_dir, "a prepared data directory (depthkit data prepare)")->required();
+  task->add_option("--out", copt->out, "the task file to write (JSONL)")->required();
+  task->add_option("--items", copt->items, "scored items, at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
+  task->add_option("--dev-items", copt->dev_items, "few-shot items (\"split\": \"dev\")")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 30));
+  task->add_option("--choices", copt->choices, "candidates per item")->check(CLI::Range(2, 26));
+  task->add_option("--context-bytes", copt->context_bytes, "longest passage, in bytes")
+      ->check(CLI::Range(int64_t(100), int64_t(1) << 20));
+  task->add_option("--seed", copt->seed, "seed of the construction (and of the task's few-shot draws)");
+  task->add_flag("--force", copt->force, "replace an existing output file");
+  task->add_flag("--json", *task_json, "print the summary as JSON");
+  task->callback([&action, copt, task_json] {
+    action = [copt, task_json] {
+      const ClozeResult r = make_cloze_task(*copt);
+      nlohmann::json j = {{"out", copt->out},           {"items", r.items},
+                          {"dev_items", r.dev_items},    {"choices", copt->choices},
+                          {"documents", r.documents},    {"dev_documents", r.dev_documents},
+                          {"candidate_lines", r.candidate_lines}, {"seed", copt->seed}};
+      if (*task_json) std::printf("%s\n", j.dump().c_str());
+      else
+        std::printf("wrote %s: %lld items + %lld dev items, %lld choices each, from %lld held-out documents "
+                    "(%lld for dev), seed %llu\n",
+                    copt->out.c_str(), (long long)r.items, (long long)r.dev_items, (long long)copt->choices,
+                    (long long)r.documents, (long long)r.dev_documents, (unsigned long long)copt->seed);
       return 0;
     };
   });

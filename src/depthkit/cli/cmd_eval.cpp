@@ -1,4 +1,5 @@
-// depthkit eval: validation loss and perplexity of a run's checkpoint.
+// depthkit eval: validation loss and perplexity of a run's checkpoint; with --task, its accuracy
+// on a downstream task (eval/tasks.h, docs/tasks.md).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -7,6 +8,8 @@
 
 #include "depthkit/cli/commands.h"
 #include "depthkit/data/loader.h"
+#include "depthkit/data/tokenizer.h"
+#include "depthkit/eval/tasks.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/evaluate.h"
@@ -20,7 +23,33 @@ struct EvalArgs {
   std::string run_dir, data, checkpoint;
   int64_t tokens = 0;
   bool json = false;
+  // --task
+  std::string task, dev;
+  int64_t shots = -1, limit = 0;
+  uint64_t seed = 0;
+  bool has_seed = false;
 };
+
+int run_eval_task(const EvalArgs& a) {
+  // The task file first: a malformed line is reported before the model is loaded.
+  Task task = load_task(a.task);
+  if (!a.dev.empty()) add_dev_file(task, a.dev);
+  RunModel run = load_run_model(a.run_dir, a.checkpoint);
+  if (run.config.train.threads > 0) at::set_num_threads(int(run.config.train.threads));
+  const std::string data_dir = a.data.empty() ? run.config.data.dir : a.data;
+  const auto tokenizer = load_task_tokenizer(data_dir, run.config.model.vocab_size);
+  TaskOptions opt;
+  opt.shots = a.shots;
+  opt.limit = a.limit;
+  if (a.has_seed) opt.seed = a.seed;
+  const TaskResult r = evaluate_task(*run.model, *tokenizer, task, opt);
+  nlohmann::json j = r.to_json();
+  j["checkpoint"] = run.checkpoint.string();
+  j["step"] = run.step;
+  if (a.json) std::printf("%s\n", j.dump().c_str());
+  else std::printf("%s (step %lld) on %s", run.checkpoint.c_str(), (long long)run.step, r.to_text().c_str());
+  return 0;
+}
 
 int run_eval(const EvalArgs& a) {
   Config cfg = load_run_config(a.run_dir, {});
@@ -50,14 +79,25 @@ int run_eval(const EvalArgs& a) {
 }  // namespace
 
 void add_eval(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("eval", "evaluate a checkpoint on held-out tokens");
+  auto* cmd = app.add_subcommand("eval", "evaluate a checkpoint on held-out tokens, or on a task (--task)");
   auto a = std::make_shared<EvalArgs>();
   cmd->add_option("--run-dir", a->run_dir, "run directory")->required();
   cmd->add_option("--data", a->data, "data directory (default: the run's data.dir)");
   cmd->add_option("--checkpoint", a->checkpoint, "checkpoint name, e.g. step_00000100 (default: latest)");
-  cmd->add_option("--tokens", a->tokens, "validation tokens (default: train.eval_tokens)");
+  auto* tokens = cmd->add_option("--tokens", a->tokens, "validation tokens (default: train.eval_tokens)");
+  auto* task = cmd->add_option("--task", a->task, "score a task file (JSONL, docs/tasks.md) instead of validation loss");
+  tokens->excludes(task);
+  cmd->add_option("--dev", a->dev, "a task file whose items join the few-shot pool")->needs(task);
+  cmd->add_option("--shots", a->shots, "few-shot examples before each item (default: the task's)")
+      ->check(CLI::Range(0, 1000))
+      ->needs(task);
+  cmd->add_option("--limit", a->limit, "score only the first N items")->check(CLI::Range(int64_t(1), INT64_MAX))->needs(task);
+  auto* seed = cmd->add_option("--seed", a->seed, "seed of the few-shot draws (default: the task's)")->needs(task);
   cmd->add_flag("--json", a->json, "print JSON");
-  cmd->callback([&action, a] { action = [a] { return run_eval(*a); }; });
+  cmd->callback([&action, a, seed] {
+    a->has_seed = seed->count() > 0;
+    action = [a] { return a->task.empty() ? run_eval(*a) : run_eval_task(*a); };
+  });
 }
 
 }  // namespace depthkit::cli
