@@ -53,7 +53,7 @@ expect_error "wrong magic"             -- train --config "$SRC/configs/tiny.toml
 [ -e run2 ] && { echo "FAIL: train with bad shards left run2 behind"; failures=$((failures + 1)); }
 mkdir -p bigvocab && cp "$SRC/tests/cli_errors.sh" bigvocab/dummy && printf '{"vocab_size": 9000}' >bigvocab/meta.json
 expect_error "meta.json: vocab_size 9000 exceeds model.vocab_size 4096" -- train --config "$SRC/configs/tiny.toml" --set data.dir=bigvocab --run-dir run3
-expect_error "config.toml: not found"  -- eval --run-dir nowhere
+expect_error "nowhere: not found (expected a run directory)" -- eval --run-dir nowhere
 expect_error "--resume needs --run-dir" -- train --resume
 expect_error "--run-dir"               -- eval --json
 

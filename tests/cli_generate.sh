@@ -58,7 +58,7 @@ expect "missing.txt"                               -- generate --run-dir run-msa
 expect "temperature -1"                            -- generate --run-dir run-msar --prompt a --temperature -1
 expect "top-p 1.5"                                 -- generate --run-dir run-msar --prompt a --top-p 1.5
 expect "more than model.seq_len 64"                -- generate --run-dir run-msar --prompt "$(head -c 4000 /usr/share/doc/python3.11/html/_sources/tutorial/classes.rst.txt)"
-expect "tokenizer.model"                           -- generate --run-dir run-msar --prompt a --data .
+expect "tokenizer.model: not found"                -- generate --run-dir run-msar --prompt a --data .
 expect "--decode: 'x'"                             -- bench --config "$SRC/configs/tiny.toml" --decode 64,x
 
 # bench --decode: both rates, the cache's bytes, per kind.

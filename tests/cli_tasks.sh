@@ -120,7 +120,7 @@ expect_one_line "bad.jsonl:4: not valid JSON" -- eval --run-dir run --task bad.j
 expect_one_line "bad2.jsonl:3: gold index 5 is outside the 2 choices" -- eval --run-dir run --task bad2.jsonl --json
 python3 -c "print('{\"context\": \"x\", \"choices\": [\"' + ' value' * 200 + '\", \" b\"], \"gold\": 1}')" >long.jsonl
 expect_one_line "long.jsonl:1: choice 0 is" -- eval --run-dir run --task long.jsonl
-expect_one_line "cloze.jsonl: --shots 7 needs 7 few-shot items" -- eval --run-dir run --task cloze.jsonl --shots 7
+expect_one_line "cloze.jsonl: 7 shots (--shots, or the header's \"shots\") need 7 few-shot items" -- eval --run-dir run --task cloze.jsonl --shots 7
 expect_one_line "missing.jsonl: task file not found" -- eval --run-dir run --task missing.jsonl
 expect_one_line "--shots" -- eval --run-dir run --shots 2
 expect_one_line "--tokens" -- eval --run-dir run --task cloze.jsonl --tokens 100
@@ -151,9 +151,9 @@ r = json.load(open("cmp.json"))
 assert [t["name"] for t in r["tasks"]] == ["cloze", "arc"], r["tasks"]
 assert r["tasks"][0]["metric"] == "per_token" and r["tasks"][0]["items"] == 40 and r["tasks"][0]["chance"] == 0.25
 for run in r["runs"]:
-    for name in ("cloze", "arc"):
+    for k, name in enumerate(("cloze", "arc")):
         acc = [s["tasks"][name] for s in run["seeds"]]
-        kept = json.load(open(f"cmp/tasks/{run['name']}-seed{run['seeds'][0]['seed']}.{name}.json"))
+        kept = json.load(open(f"cmp/tasks/{run['name']}-seed{run['seeds'][0]['seed']}.{k}.{name}.json"))
         assert kept["accuracy"]["per_token"]["value"] == acc[0], (kept, acc)
         t = run["tasks"][name]
         assert abs(t["accuracy_mean"] - sum(acc) / 2) < 1e-12 and abs(t["accuracy_std"] - statistics.stdev(acc)) < 1e-12, t

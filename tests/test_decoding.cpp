@@ -10,6 +10,8 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -55,7 +57,7 @@ std::vector<std::vector<std::string>> decoding_variants() {
 
 std::string label(const std::vector<std::string>& sets) {
   std::string s;
-  for (const auto& x : sets) s += x + " ";
+  for (const auto& x : sets) s.append(x).append(1, ' ');
   return s;
 }
 
@@ -164,6 +166,37 @@ TEST(Decoding, RaggedBatchesEqualEachSequencesFullForward) {
   }
 }
 
+// Chunks of several positions after a non-empty cache: a prefill, then a ragged chunk (7, 3 and
+// no positions), then single positions, each row against its own full forward.
+TEST(Decoding, RaggedChunksAfterACacheEqualTheFullForward) {
+  for (const auto& sets : decoding_variants()) {
+    SCOPED_TRACE(label(sets));
+    Model mm(sets);
+    auto g = gen(8);
+    const at::Tensor seqs = at::randint(mm.cfg.model.vocab_size, {3, 20}, g);
+    at::NoGradGuard no_grad;
+    DecodeState state = mm.m.start_decoding(3);
+    std::vector<std::vector<at::Tensor>> rows(3);
+    auto run = [&](const std::vector<int64_t>& counts) {
+      const int64_t T = *std::max_element(counts.begin(), counts.end());
+      at::Tensor chunk = at::zeros({3, T}, at::kLong);
+      for (int64_t b = 0; b < 3; ++b)
+        chunk[b].narrow(0, 0, counts[b]).copy_(seqs[b].narrow(0, state.lengths[b], counts[b]));
+      const at::Tensor logits = mm.m.head(mm.m.extend(state, chunk, counts));
+      for (int64_t b = 0; b < 3; ++b) rows[b].push_back(logits[b].narrow(0, 0, counts[b]));
+    };
+    run({5, 5, 5});
+    run({7, 3, 0});
+    while (state.lengths != std::vector<int64_t>{20, 20, 20}) {
+      std::vector<int64_t> counts;
+      for (int64_t held : state.lengths) counts.push_back(std::min<int64_t>(20 - held, 2));
+      run(counts);
+    }
+    const at::Tensor full = mm.m.logits(seqs);
+    for (int64_t b = 0; b < 3; ++b) EXPECT_LT(relative(at::cat(rows[b], 0), full[b]), 1e-5) << "sequence " << b;
+  }
+}
+
 TEST(Decoding, CacheHoldsKeysValuesAndMsarsTails) {
   for (const auto& [sets, tails] : std::vector<std::pair<std::vector<std::string>, int64_t>>{
            {{"residual.kind=dar"}, 0},
@@ -227,6 +260,41 @@ TEST(Generate, GreedyEqualsArgmaxOverFullForwards) {
     narrow.top_p = 1e-9;
     EXPECT_EQ(generate(mm.m, prompts, 12, narrow, -1).tokens, g.tokens);
   }
+}
+
+// Which ids a draw can give: the top-k, then the smallest nucleus of mass ≥ top-p, ties ranked
+// to the lower id.
+TEST(Generate, SamplingDrawsOnlyFromTheTopKAndTheNucleus) {
+  // p ∝ exp(logit): ids 1 and 3 tie at the top (0.418 each), then 0 (0.154), then 2 and 4 (0.008).
+  const at::Tensor logits = at::tensor(std::vector<double>{1.0, 2.0, -2.0, 2.0, -2.0}, at::kDouble);
+  auto support = [&](const Sampling& s) {
+    std::mt19937_64 rng(s.seed);
+    std::set<int> seen;
+    for (int i = 0; i < 4000; ++i) seen.insert(sample_next(logits, s, rng));
+    return seen;
+  };
+  Sampling s;
+  EXPECT_EQ(support(s), (std::set<int>{0, 1, 2, 3, 4}));
+  s.top_k = 1;
+  EXPECT_EQ(support(s), std::set<int>{1});  // the tie goes to the lower id
+  s.top_k = 3;
+  EXPECT_EQ(support(s), (std::set<int>{0, 1, 3}));
+  s.top_k = 0;
+  s.top_p = 0.5;  // id 1 alone holds 0.42 of the mass: the nucleus needs id 3 too
+  EXPECT_EQ(support(s), (std::set<int>{1, 3}));
+  s.top_p = 0.4;
+  EXPECT_EQ(support(s), std::set<int>{1});
+  Sampling greedy;
+  greedy.temperature = 0;
+  std::mt19937_64 rng(0);
+  EXPECT_EQ(sample_next(logits, greedy, rng), 1);
+  // A low temperature sharpens: ids 1 and 3 about equally, the others (almost) never.
+  Sampling cold;
+  cold.temperature = 0.05;
+  std::mt19937_64 r2(5);
+  int ones = 0;
+  for (int i = 0; i < 2000; ++i) ones += sample_next(logits, cold, r2) == 1;
+  EXPECT_NEAR(ones / 2000.0, 0.5, 0.05);
 }
 
 TEST(Generate, SamplingIsReproducibleForASeed) {

@@ -5,6 +5,7 @@
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/tensor.h>
 
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <set>
@@ -114,7 +115,7 @@ const char* kNative =
 TEST(TasksScoring, EqualsNaivePerCandidateForward) {
   std::mt19937_64 rng(1);
   const int vocab = 64;
-  for (const char* kind : {"residual", "dar", "msar", "mhc"}) {
+  for (const char* kind : {"residual", "attnres", "attnres_sepv", "dar", "msar", "mhc", "attnres_mhc"}) {
     const auto owner = sharp_model(kind, vocab, 32);
     Transformer& model = *owner;
     std::vector<Continuation> requests;
@@ -357,7 +358,7 @@ TEST(TasksFewShot, DeterministicDevOnlyNeverTheItem) {
   EXPECT_GT(draws_of_item0.size(), 20u) << "the seed does not change the draw";
   // Item 2's pool is the 8 dev items other than its duplicate: 8 shots fit, 9 do not.
   EXPECT_EQ(few_shot_items(task, item2, 8, 1).size(), 8u);
-  expect_error([&] { few_shot_items(task, item2, 9, 1); }, {"shots.jsonl", "--shots 9", "holds 8 other than the item scored"});
+  expect_error([&] { few_shot_items(task, item2, 9, 1); }, {"shots.jsonl", "9 shots", "holds 8 other than the item scored"});
   EXPECT_TRUE(few_shot_items(task, item2, 0, 1).empty());
   const auto shots = few_shot_items(task, task.scored()[0], 2, 7);
   const TaskItem &a = task.items[shots[0]], &b = task.items[shots[1]];
@@ -382,6 +383,9 @@ TEST(TasksSchema, MalformedLinesNameFileAndLine) {
   const std::vector<Case> cases = {
       {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 0", {"bad.jsonl:3", "not valid JSON"}},
       {"[1, 2]", {"bad.jsonl:3", "expected a JSON object, got an array of 2"}},
+      {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 1e999}", {"bad.jsonl:3", "number out of range"}},
+      {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 18446744073709551615}",
+       {"bad.jsonl:3", "'gold' must be an integer index, got 18446744073709551615"}},
       {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"]}", {"bad.jsonl:3", "key 'gold' is missing"}},
       {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": 2}", {"bad.jsonl:3", "gold index 2 is outside the 2 choices"}},
       {"{\"context\": \"c\", \"choices\": [\" a\", \" b\"], \"gold\": \"0\"}", {"bad.jsonl:3", "'gold' must be an integer"}},
@@ -556,12 +560,16 @@ TEST(TasksGeneration, GreedyUntilStopThenExactMatch) {
     if (!t.empty() && t.back() == tok.eos_id()) t.pop_back();
     expected.push_back(cut_at_stop(tok.decode(t), stop));
   }
-  // References: right for items 0 and 3 (their own greedy answer), wrong for the others.
+  // References: right for the first two items whose greedy answer is not blank (their own
+  // answer; a blank reference is refused), wrong for the others.
   std::string text = "{\"task\": {\"stop\": [\".\"], \"max_new_tokens\": 6}}\n";
+  std::vector<double> right;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    const std::string answer = i == 0 || i == 3 ? extract_answer(expected[i], "") : "no such answer";
-    text += nlohmann::json({{"prompt", prompts[i]}, {"answers", {answer}}}).dump() + "\n";
+    const std::string own = extract_answer(expected[i], "");
+    right.push_back(!own.empty() && std::count(right.begin(), right.end(), 1.0) < 2 ? 1.0 : 0.0);
+    text += nlohmann::json({{"prompt", prompts[i]}, {"answers", {right.back() ? own : "no such answer"}}}).dump() + "\n";
   }
+  ASSERT_EQ(std::count(right.begin(), right.end(), 1.0), 2) << "fewer than two prompts with a non-blank greedy answer";
   const Task task = parse_task(text, "gen.jsonl");
   TaskOptions opt;
   opt.progress = false;
@@ -571,7 +579,7 @@ TEST(TasksGeneration, GreedyUntilStopThenExactMatch) {
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(r.outputs[i], expected[i]) << i;
   for (const auto& o : r.outputs) EXPECT_EQ(o.find('.'), std::string::npos);
   EXPECT_DOUBLE_EQ(r.exact_match.value, 0.4);
-  EXPECT_DOUBLE_EQ(r.exact_match.standard_error, mean_with_stderr({1, 0, 0, 1, 0}).standard_error);
+  EXPECT_DOUBLE_EQ(r.exact_match.standard_error, mean_with_stderr(right).standard_error);
   EXPECT_EQ(r.to_json()["metric"], "exact_match");
   EXPECT_EQ(r.truncated, 0);
   // A prompt longer than the room left for the answer is cut from the left and counted.
@@ -583,6 +591,15 @@ TEST(TasksGeneration, GreedyUntilStopThenExactMatch) {
   EXPECT_EQ(evaluate_task(model, tok, long_task, opt).truncated, 1);
   const Task no_room = parse_task("{\"task\": {\"max_new_tokens\": 48}}\n{\"prompt\": \"a\", \"answers\": [\"b\"]}\n", "room.jsonl");
   expect_error([&] { evaluate_task(model, tok, no_room, opt); }, {"room.jsonl", "max_new_tokens 48 leaves no room"});
+}
+
+// A blank reference answer would match every output the regex misses; a second header would
+// silently replace the first.
+TEST(TasksSchema, RefusesBlankAnswersAndASecondHeader) {
+  expect_error([] { parse_task("{\"prompt\": \"p\", \"answers\": [\"a\", \" \"]}\n", "g.jsonl"); },
+               {"g.jsonl:1", "blank answer"});
+  expect_error([] { parse_task("{\"task\": {\"seed\": 1}}\n\n{\"task\": {\"seed\": 2}}\n{\"prompt\": \"p\", \"answers\": \"a\"}\n", "g.jsonl"); },
+               {"g.jsonl:3", "may only be the first line"});
 }
 
 }  // namespace depthkit::test

@@ -13,6 +13,7 @@
 #include "depthkit/analysis/plots.h"
 #include "depthkit/config/config.h"
 #include "depthkit/data/tokenizer.h"
+#include "depthkit/eval/run_model.h"
 #include "depthkit/eval/tasks.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
@@ -126,8 +127,8 @@ std::string content_hash(const fs::path& file) {
 }
 
 // Scores each task on the final checkpoint of every run and seed, keeping each result in
-// OUT/tasks/<run>-seed<s>.<task>.json; returns, per task in the spec's order, its name and the
-// results by run label.
+// OUT/tasks/<run>-seed<s>.<k>.<task>.json (k: its place in the spec); returns, per task in the
+// spec's order, its name and the results by run label.
 using TaskScores = std::vector<std::pair<std::string, std::map<std::string, nlohmann::json>>>;
 TaskScores score_tasks(const CompareSpec& spec, const fs::path& out) {
   TaskScores scores;
@@ -153,17 +154,28 @@ TaskScores score_tasks(const CompareSpec& spec, const fs::path& out) {
         std::string file_name = tasks[k].name;  // the name as a file name: other bytes become '_'
         for (char& c : file_name)
           if (!std::isalnum((unsigned char)c) && c != '.' && c != '_' && c != '-') c = '_';
-        const fs::path kept = out / "tasks" / (label + "." + file_name + ".json");
+        // The task's place in the spec keeps two names that map to one file name apart.
+        const fs::path kept = out / "tasks" / (label + "." + std::to_string(k) + "." + file_name + ".json");
         if (fs::exists(kept)) {
-          auto j = nlohmann::json::parse(read_file(kept), nullptr, false);
-          if (!j.is_discarded() && j.value("file_hash", "") == hashes[k] && j.value("step", int64_t(-1)) == step) {
+          // Reused only when whole and of the same task file and checkpoint step; anything else
+          // (a file cut short, edited by hand) is scored again.
+          const auto j = nlohmann::json::parse(read_file(kept), nullptr, false);
+          bool usable = false;
+          try {
+            usable = j.at("file_hash").get<std::string>() == hashes[k] && j.at("step").get<int64_t>() == step &&
+                     j.at("accuracy").at(j.at("metric").get<std::string>()).at("value").is_number();
+            for (const char* key : {"file", "type", "items", "shots", "chance"}) usable = usable && j.contains(key);
+          } catch (const nlohmann::json::exception&) {
+            usable = false;
+          }
+          if (usable) {
             scores[k].second[label] = j;
             continue;
           }
         }
         if (!run) {
           run.emplace(load_run_model(run_dir));
-          tokenizer = load_task_tokenizer(run->config.data.dir, run->config.model.vocab_size);
+          tokenizer = load_data_tokenizer(run->config.data.dir, run->config.model.vocab_size);
         }
         std::fprintf(stderr, "compare: scoring %s on task %s\n", label.c_str(), tasks[k].name.c_str());
         nlohmann::json j = evaluate_task(*run->model, *tokenizer, tasks[k], TaskOptions{}).to_json();

@@ -9,11 +9,10 @@
 #include "depthkit/cli/commands.h"
 #include "depthkit/data/loader.h"
 #include "depthkit/data/tokenizer.h"
+#include "depthkit/eval/run_model.h"
 #include "depthkit/eval/tasks.h"
 #include "depthkit/model/transformer.h"
-#include "depthkit/train/checkpoint.h"
 #include "depthkit/train/evaluate.h"
-#include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cli {
@@ -37,7 +36,7 @@ int run_eval_task(const EvalArgs& a) {
   RunModel run = load_run_model(a.run_dir, a.checkpoint);
   if (run.config.train.threads > 0) at::set_num_threads(int(run.config.train.threads));
   const std::string data_dir = a.data.empty() ? run.config.data.dir : a.data;
-  const auto tokenizer = load_task_tokenizer(data_dir, run.config.model.vocab_size);
+  const auto tokenizer = load_data_tokenizer(data_dir, run.config.model.vocab_size);
   TaskOptions opt;
   opt.shots = a.shots;
   opt.limit = a.limit;
@@ -52,28 +51,22 @@ int run_eval_task(const EvalArgs& a) {
 }
 
 int run_eval(const EvalArgs& a) {
-  Config cfg = load_run_config(a.run_dir, {});
-  auto dir = find_checkpoint(a.run_dir, a.checkpoint);
-  if (!dir) fail(a.run_dir, ": run has no checkpoint");
-  Checkpoint ck = load_checkpoint(*dir, false);
-  Config ck_cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
+  RunModel run = load_run_model(a.run_dir, a.checkpoint);
+  const Config& cfg = run.config;
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
-  // In the precision the run trained in (train.dtype), so that it reproduces the run's own evaluation.
-  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0, at::kFloat, compute_dtype_of(ck_cfg.train));
-  model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
-  const std::string data_dir = a.data.empty() ? ck_cfg.data.dir : a.data;
-  TokenDataset val(data_dir, "val", ck_cfg.model.vocab_size);
-  const int64_t tokens = a.tokens > 0 ? a.tokens : ck_cfg.train.eval_tokens;
-  auto batches = eval_batches(val, ck_cfg.train.micro_batch, ck_cfg.model.seq_len, tokens);
+  const std::string data_dir = a.data.empty() ? cfg.data.dir : a.data;
+  TokenDataset val(data_dir, "val", cfg.model.vocab_size);
+  const int64_t tokens = a.tokens > 0 ? a.tokens : cfg.train.eval_tokens;
+  auto batches = eval_batches(val, cfg.train.micro_batch, cfg.model.seq_len, tokens);
   int64_t n = 0;
   for (auto& b : batches) n += b.size(0) * (b.size(1) - 1);
-  const double loss = evaluate(model, batches);
-  nlohmann::json j = {{"checkpoint", dir->string()}, {"step", ck.state.step}, {"data", data_dir},
+  const double loss = evaluate(*run.model, batches);
+  nlohmann::json j = {{"checkpoint", run.checkpoint.string()}, {"step", run.step}, {"data", data_dir},
                       {"tokens", n}, {"val_loss", loss}, {"val_ppl", std::exp(loss)}};
   if (a.json) std::printf("%s\n", j.dump().c_str());
   else
     std::printf("%s (step %lld): validation loss %.4f, perplexity %.2f over %lld tokens of %s\n",
-                dir->c_str(), (long long)ck.state.step, loss, std::exp(loss), (long long)n, data_dir.c_str());
+                run.checkpoint.c_str(), (long long)run.step, loss, std::exp(loss), (long long)n, data_dir.c_str());
   return 0;
 }
 }  // namespace

@@ -8,9 +8,8 @@
 #include "depthkit/cli/commands.h"
 #include "depthkit/data/tokenizer.h"
 #include "depthkit/eval/generate.h"
+#include "depthkit/eval/run_model.h"
 #include "depthkit/model/transformer.h"
-#include "depthkit/train/checkpoint.h"
-#include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 
@@ -42,8 +41,10 @@ class TextStream {
     std::string text = tokenizer_.decode(ids_);
     static const std::string replacement = "\xEF\xBF\xBD";
     if (!last && text.size() >= replacement.size() && text.compare(text.size() - 3, 3, replacement) == 0) return;
-    // Decoding more ids only appends, except across that held-back character.
-    const size_t common = text.compare(0, printed_.size(), printed_) == 0 ? printed_.size() : 0;
+    // Decoding more ids appends to the text; should it ever change what was printed, what is
+    // out stays out, and the text goes on from where the two agree.
+    size_t common = 0;
+    while (common < printed_.size() && common < text.size() && printed_[common] == text[common]) ++common;
     std::fwrite(text.data() + common, 1, text.size() - common, stdout);
     std::fflush(stdout);
     printed_ = std::move(text);
@@ -57,22 +58,11 @@ int run_generate(const GenerateArgs& a) {
   if (a.prompt.empty() == a.prompt_file.empty()) fail("generate: give exactly one of --prompt and --prompt-file");
   const std::string prompt = a.prompt_file.empty() ? a.prompt : read_file(a.prompt_file, uintmax_t(16) << 20);
   if (prompt.empty()) fail(a.prompt_file.empty() ? std::string("--prompt") : a.prompt_file, ": the prompt is empty");
-  Config cfg = load_run_config(a.run_dir, {});
-  auto dir = find_checkpoint(a.run_dir, a.checkpoint);
-  if (!dir) fail(a.run_dir, ": run has no checkpoint");
-  Checkpoint ck = load_checkpoint(*dir, false);
-  Config ck_cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
-  const fs::path tokenizer_path = fs::path(a.data.empty() ? ck_cfg.data.dir : a.data) / "tokenizer.model";
-  if (!fs::is_regular_file(tokenizer_path))
-    fail(tokenizer_path.string(), ": no tokenizer there (the run's data.dir, prepared by `depthkit data prepare`); "
-         "give the prepared data directory with --data");
-  const Tokenizer tokenizer(tokenizer_path.string());
-  if (tokenizer.vocab_size() > ck_cfg.model.vocab_size)
-    fail(tokenizer_path.string(), ": its ", tokenizer.vocab_size(), " ids exceed the model's model.vocab_size ",
-         ck_cfg.model.vocab_size);
-  if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
-  Transformer model(ck_cfg.model, ck_cfg.residual, at::kCPU, 0, at::kFloat, compute_dtype_of(ck_cfg.train));
-  model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
+  RunModel run = load_run_model(a.run_dir, a.checkpoint);
+  if (run.config.train.threads > 0) at::set_num_threads(int(run.config.train.threads));
+  const auto tokenizer_owner = load_data_tokenizer(a.data.empty() ? run.config.data.dir : a.data, run.config.model.vocab_size);
+  const Tokenizer& tokenizer = *tokenizer_owner;
+  Transformer& model = *run.model;
 
   // The prompt starts a document: in training every document but the first follows the
   // end-of-document id, so the prompt does too.
@@ -87,8 +77,8 @@ int run_generate(const GenerateArgs& a) {
   const double prefill_rate = g.prefill_tokens / std::max(g.prefill_seconds, 1e-9);
   const double decode_rate = g.decode_tokens > 0 ? g.decode_tokens / std::max(g.decode_seconds, 1e-9) : 0.0;
   if (a.json) {
-    nlohmann::json j = {{"checkpoint", dir->string()},
-                        {"step", ck.state.step},
+    nlohmann::json j = {{"checkpoint", run.checkpoint.string()},
+                        {"step", run.step},
                         {"text", tokenizer.decode(text_ids)},
                         {"prompt_tokens", int64_t(ids.size())},
                         {"generated_tokens", int64_t(g.tokens[0].size())},
@@ -108,7 +98,7 @@ int run_generate(const GenerateArgs& a) {
   } else {
     stream.finish();
     std::fprintf(stderr, "\n%s (step %lld): prefill %lld tokens at %.1f tokens/s, decode %lld tokens at %.1f tokens/s; stopped: %s\n",
-                 dir->c_str(), (long long)ck.state.step, (long long)g.prefill_tokens, prefill_rate,
+                 run.checkpoint.c_str(), (long long)run.step, (long long)g.prefill_tokens, prefill_rate,
                  (long long)g.decode_tokens, decode_rate, g.stopped[0].c_str());
   }
   return 0;

@@ -24,7 +24,7 @@ struct ClozeOptions {
 struct ClozeResult {
   int64_t items = 0, dev_items = 0;
   int64_t documents = 0, dev_documents = 0;  // held-out documents, and of them those the dev items use
-  int64_t candidate_lines = 0;               // lines that qualify as a continuation
+  int64_t candidate_lines = 0;               // possible answers: qualifying lines with a passage before them
 };
 
 ClozeResult make_cloze_task(const ClozeOptions& opt);

@@ -20,10 +20,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// The next id from one row of logits [V]: greedy, or sampled from the temperature-scaled
-// distribution restricted to its top-k ids, then to its smallest nucleus of mass ≥ top_p. Ids are
-// ranked by logit with ties to the lower id, so greedy and top-k = 1 agree.
-int next_id(const at::Tensor& logits, const Sampling& sampling, std::mt19937_64& rng) {
+}  // namespace
+
+int sample_next(const at::Tensor& logits, const Sampling& sampling, std::mt19937_64& rng) {
   const at::Tensor row = logits.to(at::kDouble).contiguous();
   const double* z = row.const_data_ptr<double>();
   const int64_t V = row.numel();
@@ -44,8 +43,6 @@ int next_id(const at::Tensor& logits, const Sampling& sampling, std::mt19937_64&
     if ((u -= p[i]) < 0) return ids[i];
   return ids[kept - 1];
 }
-
-}  // namespace
 
 Generation generate(Transformer& model, const std::vector<std::vector<int>>& prompts, int64_t max_new_tokens,
                     const Sampling& sampling, int eos, const OnToken& on_token) {
@@ -71,10 +68,17 @@ Generation generate(Transformer& model, const std::vector<std::vector<int>>& pro
   Generation g;
   g.tokens.resize(size_t(B));
   g.stopped.assign(size_t(B), "limit");
-  std::mt19937_64 rng(sampling.seed);
+  // One generator per sequence, seeded by (seed, index): a prompt's samples do not depend on
+  // the other prompts of the batch or on when they finish.
+  std::vector<std::mt19937_64> rng;
+  for (int64_t b = 0; b < B; ++b) {
+    std::seed_seq seq{uint32_t(sampling.seed), uint32_t(sampling.seed >> 32), uint32_t(b), uint32_t(uint64_t(b) >> 32)};
+    rng.emplace_back(seq);
+  }
   // Every generated id but the last is fed back, so a sequence holds at most its prompt and
   // max_new_tokens − 1 more positions.
-  DecodeState state = model.start_decoding(B, std::min<int64_t>(cfg.seq_len, longest + std::max<int64_t>(max_new_tokens - 1, 0)));
+  const int64_t fed = std::clamp<int64_t>(max_new_tokens - 1, 0, cfg.seq_len);
+  DecodeState state = model.start_decoding(B, std::min<int64_t>(cfg.seq_len, longest + fed));
   const auto device = model.parameters().device();
 
   // Prefill: the prompts right-padded into one chunk; each row's next id comes from its last real position.
@@ -99,7 +103,7 @@ Generation generate(Transformer& model, const std::vector<std::vector<int>>& pro
     std::vector<int64_t> feed(size_t(B), 0);
     for (int64_t b = 0; b < B; ++b) {
       if (!active[size_t(b)]) continue;
-      const int id = next_id(logits[b], sampling, rng);
+      const int id = sample_next(logits[b], sampling, rng[size_t(b)]);
       auto& out = g.tokens[size_t(b)];
       out.push_back(id);
       std::string& why = g.stopped[size_t(b)];

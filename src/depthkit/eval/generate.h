@@ -4,7 +4,10 @@
 // one seeded generator, so a run is reproducible; temperature 0 (or top-k 1) is greedy.
 #pragma once
 #include <cstdint>
+#include <ATen/core/Tensor.h>
+
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -28,6 +31,12 @@ struct Generation {
   int64_t prefill_tokens = 0, decode_tokens = 0;  // positions run by the prefill, by the decode steps
   double prefill_seconds = 0, decode_seconds = 0;
 };
+
+// The next id from one row of logits [V]: the argmax at temperature 0; otherwise one draw from
+// `rng` over the temperature-scaled distribution restricted to its top-k ids, then to its smallest
+// nucleus of mass ≥ top_p. Ids are ranked by logit with ties to the lower id, so greedy and top-k
+// = 1 agree.
+int sample_next(const at::Tensor& logits, const Sampling& sampling, std::mt19937_64& rng);
 
 // Called with (prompt index, the id just generated), for every id but the end-of-document;
 // returning false finishes that sequence (a stop string found). The id is already in `tokens`.

@@ -15,7 +15,6 @@
 #include "depthkit/data/tokenizer.h"
 #include "depthkit/eval/generate.h"
 #include "depthkit/model/transformer.h"
-#include "depthkit/train/checkpoint.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 #include "depthkit/util/json.h"
@@ -115,7 +114,8 @@ TaskItem native_choice_item(const json& j, const Where& at) {
   if (!j.contains("choices")) fail(at, ": key 'choices' is missing");
   item.choices = string_array(j["choices"], "choices", at);
   if (!j.contains("gold")) fail(at, ": key 'gold' is missing");
-  if (!j["gold"].is_number_integer()) fail(at, ": key 'gold' must be an integer index, got ", json_excerpt(j["gold"]));
+  if (!j["gold"].is_number_integer() || (j["gold"].is_number_unsigned() && j["gold"].get<uint64_t>() > uint64_t(INT64_MAX)))
+    fail(at, ": key 'gold' must be an integer index, got ", json_excerpt(j["gold"]));
   item.gold = j["gold"].get<int64_t>();
   return item;
 }
@@ -128,6 +128,9 @@ TaskItem native_generation_item(const json& j, const Where& at) {
   item.answers = j["answers"].is_string() ? std::vector<std::string>{j["answers"].get<std::string>()}
                                           : string_array(j["answers"], "answers", at);
   if (item.answers.empty()) fail(at, ": key 'answers' is empty (no reference answer)");
+  // An empty reference would match every output the regex fails on (extracted as "").
+  for (const std::string& answer : item.answers)
+    if (answer.find_first_not_of(" \t\r\n") == std::string::npos) fail(at, ": key 'answers' holds a blank answer");
   item.target = j.contains("target") ? required_string(j, "target", at) : item.answers[0];
   return item;
 }
@@ -213,6 +216,7 @@ Task parse_lines(const std::string& text, const std::string& file, bool dev_file
   size_t pos = 0;
   int64_t line_no = 0;
   int64_t first_item_line = 0;
+  bool seen_header = false;
   if (text.compare(0, 3, "\xEF\xBB\xBF") == 0) pos = 3;  // a UTF-8 byte-order mark
   while (pos < text.size()) {
     size_t end = text.find('\n', pos);
@@ -228,11 +232,14 @@ Task parse_lines(const std::string& text, const std::string& file, bool dev_file
       j = json::parse(line);
     } catch (const json::parse_error& e) {
       fail(at, ": not valid JSON (at byte ", e.byte, " of the line)");
+    } catch (const json::exception&) {  // a number beyond double's range, for one
+      fail(at, ": not valid JSON (a number out of range)");
     }
     if (!j.is_object()) fail(at, ": expected a JSON object, got ", json_excerpt(j));
     if (j.contains("task")) {
-      if (first_item_line > 0 || dev_file)
+      if (first_item_line > 0 || dev_file || seen_header)
         fail(at, ": the header {\"task\": {...}} may only be the first line of the task file");
+      seen_header = true;
       parse_header(j["task"], task, at);
       continue;
     }
@@ -385,8 +392,7 @@ TaskResult evaluate_generation(Transformer& model, const Tokenizer& tok, const T
     const std::vector<std::vector<int>> batch(prompts.begin() + int64_t(start), prompts.begin() + int64_t(start + n));
     std::vector<std::vector<int>> generated(n);
     // A sequence ends as soon as its decoded text holds a stop string.
-    auto on_token = [&](size_t s, int id) {
-      if (id == tok.eos_id()) return false;
+    auto on_token = [&](size_t s, int id) {  // never called with the end-of-document id
       generated[s].push_back(id);
       return find_stop(tok.decode(generated[s]), task.stop) == std::string::npos;
     };
@@ -451,7 +457,7 @@ std::vector<size_t> few_shot_items(const Task& task, size_t item_index, int64_t 
   for (size_t d : task.dev())
     if (!same_text(task.items[d], item)) pool.push_back(d);
   if (int64_t(pool.size()) < k)
-    fail(task.file, ": --shots ", k, " needs ", k, " few-shot items but its dev split (\"split\": \"dev\" or \"train\", "
+    fail(task.file, ": ", k, " shots (--shots, or the header's \"shots\") need ", k, " few-shot items but its dev split (\"split\": \"dev\" or \"train\", "
          "or --dev FILE) holds ", pool.size(), pool.size() == task.dev().size() ? "" : " other than the item scored",
          " (line ", item.line, ")");
   // A partial Fisher–Yates shuffle on a stream of its own per item: an item's shots do not depend
@@ -624,37 +630,6 @@ std::string TaskResult::to_text() const {
   }
   std::snprintf(buf, sizeof buf, "  %s tokens in %.1f s\n", format_count(double(tokens)).c_str(), seconds);
   return t + buf;
-}
-
-RunModel::RunModel() = default;
-RunModel::RunModel(RunModel&&) noexcept = default;
-RunModel::~RunModel() = default;
-
-RunModel load_run_model(const std::filesystem::path& run_dir, const std::string& checkpoint) {
-  auto dir = find_checkpoint(run_dir, checkpoint);
-  if (!dir) fail(run_dir.string(), ": run has no checkpoint", checkpoint.empty() ? "" : " named " + checkpoint);
-  Checkpoint ck = load_checkpoint(*dir, false);
-  RunModel r;
-  r.checkpoint = *dir;
-  r.step = ck.state.step;
-  r.config = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
-  // In the precision the run trained in (train.dtype), as `depthkit eval` scores validation loss.
-  r.model = std::make_unique<Transformer>(r.config.model, r.config.residual, at::kCPU, 0, at::kFloat,
-                                          compute_dtype_of(r.config.train));
-  r.model->parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
-  return r;
-}
-
-std::unique_ptr<Tokenizer> load_task_tokenizer(const std::string& data_dir, int64_t vocab_size) {
-  const auto path = std::filesystem::path(data_dir) / "tokenizer.model";
-  if (!std::filesystem::exists(path))
-    fail(path.string(), ": not found (a task is tokenized with the tokenizer of the data the model was trained on; "
-         "pass --data DIR)");
-  auto tok = std::make_unique<Tokenizer>(path.string());
-  if (tok->vocab_size() > vocab_size)
-    fail(path.string(), ": tokenizer has ", tok->vocab_size(), " ids, more than the model's model.vocab_size ",
-         vocab_size);
-  return tok;
 }
 
 }  // namespace depthkit

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -146,21 +145,5 @@ struct TaskResult {
 // (whose ids the model was trained on). Throws, naming the file and line, on an item that cannot be
 // scored (a candidate longer than the model's context, a prompt leaving no room to generate).
 TaskResult evaluate_task(Transformer& model, const Tokenizer& tokenizer, const Task& task, const TaskOptions& opt);
-
-// A run's checkpoint ready for evaluation, as `depthkit eval` loads it: the checkpoint's own
-// configuration, computing in the precision the run trained in.
-struct RunModel {
-  std::filesystem::path checkpoint;
-  int64_t step = 0;
-  Config config;
-  std::unique_ptr<Transformer> model;
-  RunModel();
-  RunModel(RunModel&&) noexcept;
-  ~RunModel();
-};
-RunModel load_run_model(const std::filesystem::path& run_dir, const std::string& checkpoint = "");
-
-// The tokenizer of a data directory (DIR/tokenizer.model), checked against the model's vocabulary.
-std::unique_ptr<Tokenizer> load_task_tokenizer(const std::string& data_dir, int64_t vocab_size);
 
 }  // namespace depthkit

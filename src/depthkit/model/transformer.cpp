@@ -179,6 +179,7 @@ at::Tensor Transformer::extend(DecodeState& state, const at::Tensor& tokens, con
     chunk.span = std::max(chunk.span, held + n);
     chunk.aligned = chunk.aligned && n == T && held == state.lengths[0];
   }
+  if (chunk.span == 0) fail("decoding: a chunk with no real positions in any row of sequences holding none");
   at::NoGradGuard no_grad;
   // Query t of row b, at position lengths[b] + t, sees the cached positions up to its own.
   const auto index = at::TensorOptions().dtype(at::kLong).device(tokens.device());

@@ -77,7 +77,8 @@ class Transformer {
   // and is ignored), at positions lengths[b] … lengths[b] + counts[b] − 1. It returns the chunk's
   // final-normalised hidden states [B, T, d] (head() makes logits; the padding's rows are
   // meaningless) and advances the state. Prefill + extend one position at a time equals hidden()
-  // on the whole sequence. Runs without gradients.
+  // on the whole sequence. Runs without gradients. After a refusal or a failure inside extend the
+  // state is not to be used further (its caches may be partly advanced).
   DecodeState start_decoding(int64_t batch, int64_t capacity = 0);
   at::Tensor extend(DecodeState& state, const at::Tensor& tokens, const std::vector<int64_t>& counts);
 

@@ -1,0 +1,41 @@
+#include "depthkit/eval/run_model.h"
+
+#include "depthkit/data/tokenizer.h"
+#include "depthkit/model/transformer.h"
+#include "depthkit/train/checkpoint.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+RunModel::RunModel() = default;
+RunModel::RunModel(RunModel&&) noexcept = default;
+RunModel::~RunModel() = default;
+
+RunModel load_run_model(const std::filesystem::path& run_dir, const std::string& checkpoint) {
+  if (!std::filesystem::is_directory(run_dir)) fail(run_dir.string(), ": not found (expected a run directory)");
+  auto dir = find_checkpoint(run_dir, checkpoint);
+  if (!dir) fail(run_dir.string(), ": run has no checkpoint", checkpoint.empty() ? "" : " named " + checkpoint);
+  Checkpoint ck = load_checkpoint(*dir, false);
+  RunModel r;
+  r.checkpoint = *dir;
+  r.step = ck.state.step;
+  r.config = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
+  r.model = std::make_unique<Transformer>(r.config.model, r.config.residual, at::kCPU, 0, at::kFloat,
+                                          compute_dtype_of(r.config.train));
+  r.model->parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
+  return r;
+}
+
+std::unique_ptr<Tokenizer> load_data_tokenizer(const std::string& data_dir, int64_t vocab_size) {
+  const auto path = std::filesystem::path(data_dir) / "tokenizer.model";
+  if (!std::filesystem::is_regular_file(path))
+    fail(path.string(), ": not found (text is tokenized with the tokenizer of the data the model was trained on, "
+         "prepared by `depthkit data prepare`; pass --data DIR)");
+  auto tok = std::make_unique<Tokenizer>(path.string());
+  if (tok->vocab_size() > vocab_size)
+    fail(path.string(), ": tokenizer has ", tok->vocab_size(), " ids, more than the model's model.vocab_size ",
+         vocab_size);
+  return tok;
+}
+
+}  // namespace depthkit
