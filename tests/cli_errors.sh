@@ -54,6 +54,16 @@ expect_error "wrong magic"             -- train --config "$SRC/configs/tiny.toml
 mkdir -p bigvocab && cp "$SRC/tests/cli_errors.sh" bigvocab/dummy && printf '{"vocab_size": 9000}' >bigvocab/meta.json
 expect_error "meta.json: vocab_size 9000 exceeds model.vocab_size 4096" -- train --config "$SRC/configs/tiny.toml" --set data.dir=bigvocab --run-dir run3
 expect_error "nowhere: not found (expected a run directory)" -- eval --run-dir nowhere
+expect_error "README.md: is a regular file, not a run directory" -- eval --run-dir "$SRC/README.md"
+# Issue 30: numbers parsed whole and range checked, in one place; integers printed as integers.
+expect_error "--temperature='' must be a finite number >= 0" -- generate --run-dir nowhere --prompt x --temperature ''
+expect_error "--seed='-1' must be an integer >= 0" -- generate --run-dir nowhere --prompt x --seed -1
+expect_error "--limit='9223372036854775808' must be an integer >= 1" -- eval --run-dir nowhere --task t.jsonl --limit 9223372036854775808
+expect_error "--decode: an empty value" -- bench --config "$SRC/configs/tiny.toml" --decode ''
+expect_error "--kinds: an empty value" -- bench --config "$SRC/configs/tiny.toml" --kinds ''
+expect_error "--decode='99999999999' must be an integer in [2, 16777216]" -- bench --config "$SRC/configs/tiny.toml" --decode 99999999999
+expect_error "'moe.expert_d_ff' must be in [0, 4194304], got 4194305" -- params --config "$SRC/configs/tiny-moe.toml" --set moe.expert_d_ff=4194305
+expect_error "--context-bytes='100' must be an integer in [300, 1048576]" -- data make-task --data nowhere --out t.jsonl --context-bytes 100
 expect_error "--resume needs --run-dir" -- train --resume
 expect_error "--run-dir"               -- eval --json
 
@@ -130,7 +140,7 @@ expect_error "run 'dar'"               -- compare --spec spec_bad.toml --out c1
 expect_error "config file 'nowhere.toml' not found" -- compare --spec spec_base.toml --out c1
 expect_error "name 'dar' is used twice" -- compare --spec spec_twice.toml --out c1
 [ -e c1 ] && { echo "FAIL: compare with a bad spec left c1 behind"; failures=$((failures + 1)); }
-expect_error "nowhere: run has no checkpoint" -- analyze --run-dir nowhere
+expect_error "nowhere: not found (expected a run directory)" -- analyze --run-dir nowhere
 printf 'method,compute,loss\nresidual,1e18,3\nresidual,1e19,0.5\n' >below.csv
 expect_error "loss 0.5 is not above the irreducible loss 0.72" -- scaling --runs below.csv
 expect_error "missing.csv: not found"  -- scaling --runs missing.csv

@@ -30,6 +30,10 @@ for i in items:
     assert len(i["choices"]) == 4 and 0 <= i["gold"] < 4 and i["context"].endswith("\n"), i
     assert len(set(c.strip() for c in i["choices"])) == 4, i["choices"]
 PY
+# The least --context-bytes the command takes still yields items.
+"$DK" data make-task --data data --out short.jsonl --items 5 --dev-items 0 --context-bytes 300 --json >short.json \
+  || fail "make-task --context-bytes 300"
+[ "$(json '["items"]' <short.json)" -ge 1 ] || fail "make-task --context-bytes 300 made no item"
 "$DK" data make-task --data data --out cloze.jsonl 2>err.txt && fail "make-task overwrote its output"
 grep -q "cloze.jsonl: already exists (pass --force" err.txt || fail "make-task overwrite: $(cat err.txt)"
 cmp -s cloze.jsonl cloze-again.jsonl || fail "a refused make-task changed its output"

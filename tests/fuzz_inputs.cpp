@@ -1,7 +1,10 @@
 // Hostile inputs by the thousand. Configs, --set values, token shards, meta.json, checkpoints
 // (safetensors headers and offsets), state.json, `latest` and token files are mutated by a seeded
-// generator, and each case runs a depthkit command in a forked child, through the same
-// cli::run as the program. Every case must end in one of two ways:
+// generator; every option of every command (walked from the program's own option table) is given
+// values wrong for its kind; torchrun's launch variables are given wrong values; and files and
+// directories are given in places where they must not be taken (an input as an output, a FIFO in a
+// corpus, a file as a run directory). Each case runs a depthkit command in a forked child, through
+// the same cli::run as the program. Every case must end in one of two ways:
 //   - success: the mutation left a valid input (a weight byte flipped, a key set to a legal value);
 //   - a clean failure: exit code 1 or 2, exactly one line on stderr, "depthkit: error: ...", that
 //     names the file or key at fault, and nothing written or removed in the run directory.
@@ -16,6 +19,10 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,9 +32,12 @@
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
+#include <sstream>
 
 #include "depthkit/cli/app.h"
+#include "depthkit/cli/commands.h"
 #include "depthkit/util/fs.h"
 #include "depthkit/util/progress.h"
 #include "helpers.h"
@@ -48,13 +58,17 @@ struct Outcome {
   std::string err;  // everything it wrote to stderr
 };
 
+// Environment variables for a case: each set to its value, or unset when the value is nullopt.
+using Env = std::vector<std::pair<std::string, std::optional<std::string>>>;
+
 // Runs `depthkit args...` in a forked child; its stdout is discarded, its stderr captured.
-Outcome run_cli(const std::vector<std::string>& args, const fs::path& scratch) {
+Outcome run_cli(const std::vector<std::string>& args, const fs::path& scratch, const Env& env = {}) {
   const std::string err_path = (scratch / "stderr.txt").string();
   std::fflush(nullptr);
   const pid_t pid = ::fork();
   if (pid == 0) {
     const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (::chdir(scratch.c_str()) != 0) ::_exit(99);  // relative paths a case names land in its scratch
     const int nul = ::open("/dev/null", O_WRONLY);
     ::dup2(err, 2);
     ::dup2(nul, 1);
@@ -68,6 +82,10 @@ Outcome run_cli(const std::vector<std::string>& args, const fs::path& scratch) {
     const rlimit limit{cap, cap};
     ::setrlimit(RLIMIT_AS, &limit);
     Progress::set_enabled(false);
+    for (const auto& [name, value] : env) {
+      if (value) ::setenv(name.c_str(), value->c_str(), 1);
+      else ::unsetenv(name.c_str());
+    }
     std::vector<std::string> full = {"depthkit"};
     full.insert(full.end(), args.begin(), args.end());
     std::vector<char*> argv;
@@ -139,6 +157,7 @@ struct Tally {
 class Fuzz : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    ::setenv("DEPTHKIT_PROGRAM", DEPTHKIT_PROGRAM_PATH, 1);  // what compare and --nproc run again
     base_ = new TempDir();
     const fs::path b = base_->path;
     write_pattern_data((b / "data").string(), 64, 4000, 1200);
@@ -204,16 +223,11 @@ class Fuzz : public ::testing::Test {
                                 "2147483647", "\"cuda\"", "1e-300", "3\nmodel.n_layers = 2", "2\r\n[model]"});
   }
 
+  // Every config key, from the config's own table (Config::values), so that none is missed.
   std::vector<std::string> keys() {
-    return {"model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim", "model.d_ff",
-            "model.vocab_size", "model.seq_len", "model.tie_embeddings", "model.rope_theta", "model.norm_eps",
-            "model.init_std", "residual.kind", "residual.block_sublayers", "residual.routing", "residual.streams",
-            "residual.kernels", "residual.conv", "residual.fusion", "residual.sinkhorn_iters", "residual.impl",
-            "data.dir", "train.micro_batch", "train.grad_accum", "train.steps", "train.tokens", "train.seed",
-            "train.data_seed", "train.eval_every", "train.eval_tokens", "train.checkpoint_every",
-            "train.keep_checkpoints", "train.log_every", "train.threads", "train.device", "train.dtype", "train.backend", "train.zero", "train.timeout_s", "optim.lr", "optim.min_lr",
-            "optim.warmup_steps", "optim.schedule", "optim.decay_fraction", "optim.weight_decay", "optim.beta1",
-            "optim.beta2", "optim.eps", "optim.grad_clip"};
+    std::vector<std::string> out;
+    for (const auto& [key, value] : Config().values()) out.push_back(key);
+    return out;
   }
 
   // A JSON value of the wrong kind or range for a counter or a string.
@@ -465,6 +479,300 @@ TEST_F(Fuzz, TokenFiles) {
       ADD_FAILURE() << "a failed forward left its output behind";
     fs::remove_all(out);
   }
+}
+
+
+// What is under `dir` by path, size and modification time: cheap enough to take around every case,
+// and enough to see a file removed, added or rewritten.
+std::map<std::string, std::string> stat_snapshot(const fs::path& dir, const fs::path& skip) {
+  std::map<std::string, std::string> out;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->path() == skip) {
+      it.disable_recursion_pending();
+      continue;
+    }
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0) continue;
+    out[it->path().string()] = cat(st.st_mode, " ", st.st_size, " ", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
+  }
+  return out;
+}
+
+// A small real corpus prepared with a real tokenizer, a run trained on it for two steps, and a
+// task file: what commands that decode text (generate, make-task, eval --task) need. Made once.
+struct TextFixture {
+  fs::path corpus, data, run, task, config, spec, ids, points;
+};
+
+TextFixture make_text_fixture(const fs::path& base, const fs::path& scratch) {
+  TextFixture f;
+  f.corpus = base / "corpus";
+  fs::create_directories(f.corpus);
+  const fs::path docs = "/usr/share/doc/python3.11/html/_sources/tutorial";
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(docs))
+    if (e.is_regular_file() && n++ < 8) fs::copy_file(e.path(), f.corpus / e.path().filename());
+  f.data = base / "text-data";
+  Outcome o = run_cli({"data", "prepare", "--input", f.corpus.string(), "--out", f.data.string(), "--vocab-size", "400",
+                       "--val-fraction", "0.3"},
+                      scratch);
+  EXPECT_EQ(o.rc, 0) << o.err;
+  f.config = base / "text.toml";
+  write_text(f.config, "[model]\nn_layers = 1\nd_model = 32\nn_heads = 4\nn_kv_heads = 2\nd_ff = 64\nvocab_size = 400\n"
+                       "seq_len = 32\n[residual]\nkind = \"dar\"\nblock_sublayers = 2\n[data]\ndir = \"" + f.data.string() +
+                       "\"\n[train]\nmicro_batch = 2\nsteps = 2\n"
+                       "eval_every = 0\neval_tokens = 64\ncheckpoint_every = 1\nlog_every = 1\nthreads = 1\n"
+                       "[optim]\nwarmup_steps = 1\n");
+  f.run = base / "text-run";
+  o = run_cli({"train", "--config", f.config.string(), "--run-dir", f.run.string()}, scratch);
+  EXPECT_EQ(o.rc, 0) << o.err;
+  f.task = base / "task.jsonl";
+  write_text(f.task, "{\"context\": \"The list\", \"choices\": [\" is\", \" was\"], \"gold\": 0}\n"
+                     "{\"context\": \"A tuple\", \"choices\": [\" is\", \" of\"], \"gold\": 1}\n");
+  f.spec = base / "spec.toml";
+  write_text(f.spec, "base = \"" + f.config.string() + "\"\nseeds = [1]\n[[run]]\nname = \"residual\"\nkind = \"residual\"\n");
+  f.ids = base / "ids.txt";
+  write_text(f.ids, "1 2 3 4\n");
+  f.points = base / "runs.csv";
+  write_text(f.points, "method,compute,loss\nresidual,1e15,3.1\nresidual,1e16,2.6\nresidual,1e17,2.2\nresidual,1e18,1.9\n"
+                       "dar,1e15,3.0\ndar,1e16,2.5\ndar,1e17,2.1\ndar,1e18,1.85\n");
+  return f;
+}
+
+// For every command, a command line that succeeds quickly: the option under test replaces its value
+// here, or is added.
+std::map<std::string, std::vector<std::string>> cheap_command_lines(const TextFixture& f, const fs::path& scratch) {
+  const std::string cfg = f.config.string(), out = (scratch / "out").string();
+  return {
+      {"data prepare", {"--input", f.corpus.string(), "--out", out, "--tokenizer", (f.data / "tokenizer.model").string(),
+                        "--val-fraction", "0.3"}},
+      {"data make-task", {"--data", f.data.string(), "--out", (scratch / "task.jsonl").string(), "--items", "2",
+                          "--dev-items", "0", "--choices", "2"}},
+      {"train", {"--config", cfg, "--run-dir", (scratch / "run").string(), "--set", "train.steps=1"}},
+      {"eval", {"--run-dir", f.run.string(), "--tokens", "64"}},
+      {"params", {"--config", cfg}},
+      {"bench", {"--config", cfg, "--steps", "1", "--warmup", "0"}},
+      {"info", {}},
+      {"init", {"--config", cfg, "--out", out}},
+      {"forward", {"--checkpoint", f.run.string(), "--tokens", f.ids.string(), "--out", (scratch / "logits.safetensors").string()}},
+      {"generate", {"--run-dir", f.run.string(), "--prompt", "The list", "--max-new-tokens", "2"}},
+      {"compare", {"--spec", f.spec.string(), "--out", out}},
+      {"analyze", {"--run-dir", f.run.string(), "--what", "maps", "--sequences", "1", "--positions", "4", "--out", out}},
+      {"cost", {"--config", cfg}},
+      {"scaling", {"--runs", f.points.string(), "--plot", (scratch / "fit.png").string()}},
+  };
+}
+
+// Values wrong for an option of type `type` (its help's "INT in [1, 1024]", "UINT >= 0", "FLOAT
+// in [0, 1]"): every one must be refused, naming the option. Empty for a text option.
+std::vector<std::string> wrong_numbers(const std::string& type) {
+  const bool is_int = type.starts_with("INT"), is_uint = type.starts_with("UINT"), is_float = type.starts_with("FLOAT");
+  if (!is_int && !is_uint && !is_float) return {};
+  std::vector<std::string> v = {"", "abc", " 1", "1 ", "+1", "0x10", "1,5", "nan", "inf", "-inf"};
+  if (is_float) v.insert(v.end(), {"1e999", "-1e999", "0x1p3", "1.5.2"});
+  else v.insert(v.end(), {"1.5", "1e3", "99999999999999999999", "-99999999999999999999", "18446744073709551616"});
+  if (is_uint) v.insert(v.end(), {"-1", "-0"});
+  // Just past the range the help states.
+  long double lo = 0, hi = 0;
+  if (std::sscanf(type.c_str(), "%*s in [%Lf, %Lf]", &lo, &hi) == 2) {
+    v.push_back(is_float ? cat(double(lo) - 1) : std::to_string((long long)lo - 1));
+    v.push_back(is_float ? cat(double(hi) * 2 + 1) : std::to_string((long long)hi + 1));
+  } else if (std::sscanf(type.c_str(), "%*s >= %Lf", &lo) == 1 && lo > 0) {
+    v.push_back(is_float ? cat(double(lo) / 2) : std::to_string((long long)lo - 1));
+  }
+  return v;
+}
+
+TEST_F(Fuzz, Options) {
+  Tally numbers{"options#"}, texts{"options"};
+  const fs::path base = base_->path / "options";
+  fs::create_directories(base);
+  const TextFixture f = make_text_fixture(base, scratch_);
+  // Paths of every kind, none of them the fixture's own files, made afresh for each case (a command
+  // may rightly write into a directory or over a file it is given as an output).
+  const fs::path places = scratch_ / "places";
+  auto make_places = [&] {
+    fs::create_directories(places / "dir");
+    write_text(places / "file", "not what any option wants\n");
+    ASSERT_EQ(::mkfifo((places / "fifo").c_str(), 0644), 0);
+    ASSERT_EQ(::mknod((places / "null").c_str(), S_IFCHR | 0666, makedev(1, 3)), 0) << "(a character device, as /dev/null)";
+  };
+  const std::vector<std::string> wrong_texts = {"", std::string("bad\x01name"), (places / "null").string(),
+                                                (places / "fifo").string(), (places / "dir").string(),
+                                                (places / "file").string(), (places / "missing" / "x").string()};
+  CLI::App app;
+  cli::Action action;
+  cli::add_commands(app, action);
+  std::vector<std::pair<std::string, const CLI::App*>> commands;
+  for (const CLI::App* cmd : app.get_subcommands([](const CLI::App*) { return true; })) {
+    const auto subs = cmd->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) commands.emplace_back(cmd->get_name(), cmd);
+    for (const CLI::App* sub : subs) commands.emplace_back(cmd->get_name() + " " + sub->get_name(), sub);
+  }
+  int64_t options = 0;
+  for (const auto& [name, cmd] : commands) {
+    const auto lines = cheap_command_lines(f, scratch_);
+    ASSERT_TRUE(lines.count(name)) << "no cheap command line for '" << name << "': add one to cheap_command_lines";
+    for (const CLI::Option* opt : cmd->get_options()) {
+      // Options that take a value (not flags, --help among them).
+      if (opt->get_expected_max() == 0 || opt->get_name().rfind("--", 0) != 0) continue;
+      ++options;
+      const std::string option = opt->get_name();
+      const std::vector<std::string> numbers_wrong = wrong_numbers(opt->get_type_name());
+      const bool numeric = !numbers_wrong.empty();
+      for (const std::string& value : numeric ? numbers_wrong : wrong_texts) {
+        std::vector<std::string> args;
+        std::istringstream words(name);
+        for (std::string w; words >> w;) args.push_back(w);
+        const std::vector<std::string>& line = lines.at(name);
+        for (size_t i = 0; i < line.size(); ++i) {
+          if (line[i] == option && option != "--set") {
+            ++i;  // the base value gives way to the hostile one
+            continue;
+          }
+          args.push_back(line[i]);
+        }
+        args.insert(args.end(), {option, value});
+        make_places();
+        const auto before = stat_snapshot(base_->path, scratch_);
+        // (The plots' Python is `true`: a figure is drawn by matplotlib, not by depthkit.)
+        const Outcome o = run_cli(args, scratch_, {{"DEPTHKIT_PYTHON", "true"}});
+        const std::string what = cat(name, " ", option, " '", printable(value), "'");
+        if (numeric || value.empty()) {
+          // A wrong number, or any option given an empty value, is bad usage: exit 2, naming it.
+          if ((numeric ? numbers : texts).check(o, {option}, what) && o.rc != 2)
+            ADD_FAILURE() << what << ": accepted or exit " << o.rc;
+        } else {
+          texts.check(o, {option, printable(value), value.empty() ? option : printable(value)}, what);
+        }
+        if (stat_snapshot(base_->path, scratch_) != before) ADD_FAILURE() << what << ": changed the inputs";
+        fs::remove_all(scratch_);
+        fs::create_directories(scratch_);
+      }
+    }
+  }
+  std::printf("fuzz options: %lld options of %zu commands\n", (long long)options, commands.size());
+  EXPECT_GT(options, 40);
+}
+
+// torchrun's variables with wrong values, on a job of two whose other rank never comes: each case
+// ends in one line naming the variable (or the store it points to) within train.timeout_s.
+TEST_F(Fuzz, LaunchVariables) {
+  Tally tally{"launch"};
+  const std::vector<std::string> variables = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                              "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"};
+  const std::vector<std::string> values = {"", "-1", "abc", "1.5", " 1", "99999999999999999999", "0x1", "65536", "3"};
+  const std::string port = std::to_string(29000 + ::getpid() % 1000);
+  for (const std::string& variable : variables) {
+    for (const std::string& value : values) {
+      Env env = {{"WORLD_SIZE", "2"}, {"RANK", pick(2) ? "1" : "0"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
+                 {"LOCAL_RANK", std::nullopt}, {"LOCAL_WORLD_SIZE", std::nullopt},
+                 {"TORCHELASTIC_USE_AGENT_STORE", std::nullopt}, {"TORCHELASTIC_RESTART_COUNT", std::nullopt}};
+      for (auto& [name, v] : env)
+        if (name == variable) v = value;
+      const fs::path run = scratch_ / "run";
+      const Outcome o = run_cli({"train", "--config", (base_->path / "base.toml").string(), "--run-dir", run.string(),
+                                 "--set", "train.timeout_s=0.3"},
+                                scratch_, env);
+      const std::string what = cat(variable, "='", printable(value), "'");
+      if (tally.check(o, {variable, "MASTER_ADDR", "never joined"}, what) && o.rc == 0)
+        ADD_FAILURE() << what << ": a rank whose peer never came succeeded";
+      if (fs::exists(run)) ADD_FAILURE() << what << ": a job that never started left " << run;
+      fs::remove_all(run);
+    }
+  }
+}
+
+// Files and directories where they must not be taken: each refused in one line naming it, with
+// nothing removed or changed; and the cases that must succeed do, saying what they did.
+TEST_F(Fuzz, Files) {
+  Tally tally{"files"};
+  const fs::path base = base_->path / "files";
+  fs::create_directories(base);
+  const TextFixture f = make_text_fixture(base, scratch_);
+  const fs::path corpus = f.corpus, sibling = base / "sibling.txt";
+  write_text(sibling, "unrelated\n");
+  const std::string prep_out = (scratch_ / "prepared").string();
+  auto prepare = [&](std::vector<std::string> inputs, const std::string& out, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"data", "prepare", "--input"};
+    args.insert(args.end(), inputs.begin(), inputs.end());
+    args.insert(args.end(), {"--out", out, "--val-fraction", "0.3"});
+    if (std::find(extra.begin(), extra.end(), "--vocab-size") == extra.end()) extra.insert(extra.end(), {"--vocab-size", "400"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  struct Case {
+    std::string what;
+    std::vector<std::string> args;
+    std::vector<std::string> names;  // the message names one of these
+    std::function<void()> setup = {}, teardown = {};
+  };
+  const fs::path odd = corpus / "odd";
+  const std::vector<Case> cases = {
+      {"--out an input, --force", prepare({corpus.string()}, corpus.string(), {"--force"}), {corpus.string()}},
+      {"--out the parent of an input, --force", prepare({corpus.string()}, base.string(), {"--force"}), {base.string()}},
+      {"--out inside an input", prepare({corpus.string()}, (corpus / "out").string()), {(corpus / "out").string()}},
+      {"--input X X", prepare({corpus.string(), corpus.string()}, prep_out), {corpus.string()}},
+      {"--input a directory and a file in it", prepare({corpus.string(), (corpus / "introduction.rst.txt").string()}, prep_out),
+       {"introduction.rst.txt"}},
+      {"a FIFO in an input directory", prepare({corpus.string()}, prep_out), {odd.string()},
+       [&] { ::mkfifo(odd.c_str(), 0644); }, [&] { fs::remove(odd); }},
+      {"a socket in an input directory", prepare({corpus.string()}, prep_out), {odd.string()},
+       [&] {
+         const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+         sockaddr_un addr{};
+         addr.sun_family = AF_UNIX;
+         std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", odd.c_str());
+         ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+         ::close(fd);
+       },
+       [&] { fs::remove(odd); }},
+      {"a dangling symbolic link in an input directory", prepare({corpus.string()}, prep_out), {odd.string()},
+       [&] { fs::create_symlink("nowhere", odd); }, [&] { fs::remove(odd); }},
+      {"a character device as an input", prepare({(base / "null").string()}, prep_out), {(base / "null").string()},
+       [&] { ::mknod((base / "null").c_str(), S_IFCHR | 0666, makedev(1, 3)); }, [&] { fs::remove(base / "null"); }},
+      {"--vocab-size below what the corpus needs", prepare({corpus.string()}, prep_out, {"--vocab-size", "300"}),
+       {"--vocab-size 300"}},
+      {"--force over a directory data prepare did not write", prepare({corpus.string()}, (base / "mine").string(), {"--force"}),
+       {(base / "mine").string()}, [&] { fs::create_directories(base / "mine"); write_text(base / "mine" / "notes", "x"); },
+       [&] { fs::remove_all(base / "mine"); }},
+      {"--force over a file", prepare({corpus.string()}, sibling.string(), {"--force"}), {sibling.string()}},
+      {"make-task --force over an input", {"data", "make-task", "--data", f.data.string(), "--out",
+                                           (f.data / "meta.json").string(), "--force"}, {(f.data / "meta.json").string()}},
+      {"make-task --force over a file it did not write", {"data", "make-task", "--data", f.data.string(), "--out",
+                                                          sibling.string(), "--force"}, {sibling.string()}},
+      {"init --force over a directory of documents", {"init", "--config", f.config.string(), "--out", corpus.string(),
+                                                      "--force"}, {corpus.string()}},
+      {"a NUL byte in a task line", {"eval", "--run-dir", f.run.string(), "--task", (base / "nul.jsonl").string()},
+       {(base / "nul.jsonl").string()},
+       [&] { write_text(base / "nul.jsonl", "{\"context\":\"ab\",\"choices\":[\"x\",\"y\"],\"gold\":0}" + std::string(1, '\0') +
+                                                  "{\"gold\": 7}\n"); },
+       [&] { fs::remove(base / "nul.jsonl"); }},
+      {"a regular file as --run-dir (eval)", {"eval", "--run-dir", sibling.string()}, {sibling.string()}},
+      {"a regular file as --run-dir (generate)", {"generate", "--run-dir", sibling.string(), "--prompt", "x"}, {sibling.string()}},
+      {"a regular file as --run-dir (analyze)", {"analyze", "--run-dir", sibling.string()}, {sibling.string()}},
+      {"a regular file as --run-dir (resume)", {"train", "--resume", "--run-dir", sibling.string()}, {sibling.string()}},
+  };
+  for (const Case& c : cases) {
+    if (c.setup) c.setup();
+    const auto before = stat_snapshot(base_->path, scratch_);
+    const Outcome o = run_cli(c.args, scratch_);
+    if (tally.check(o, c.names, c.what) && o.rc == 0) ADD_FAILURE() << c.what << ": accepted";
+    if (stat_snapshot(base_->path, scratch_) != before) ADD_FAILURE() << c.what << ": changed or removed files";
+    if (fs::exists(prep_out)) ADD_FAILURE() << c.what << ": left " << prep_out;
+    if (c.teardown) c.teardown();
+    fs::remove_all(scratch_);
+    fs::create_directories(scratch_);
+  }
+  // A vocabulary larger than the corpus can fill: done with the pieces there are, said in one
+  // line, and recorded.
+  const Outcome o = run_cli(prepare({corpus.string()}, prep_out, {"--vocab-size", "200000"}), scratch_);
+  EXPECT_EQ(o.rc, 0) << o.err;
+  EXPECT_NE(o.err.find("fewer than --vocab-size 200000"), std::string::npos) << o.err;
+  const nlohmann::json meta = nlohmann::json::parse(read_file(fs::path(prep_out) / "meta.json"));
+  EXPECT_EQ(meta["vocab_size_requested"], 200000);
+  EXPECT_LT(meta["vocab_size"].get<int64_t>(), 200000);
 }
 
 }  // namespace

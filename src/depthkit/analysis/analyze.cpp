@@ -131,6 +131,7 @@ void write_figure(const fs::path& out, const std::string& what, const nlohmann::
 nlohmann::json run_analyze(const AnalyzeOptions& opt) {
   if (opt.sequences < 1) fail("analyze: --sequences must be at least 1, got ", opt.sequences);
   if (opt.positions < 1) fail("analyze: --positions must be at least 1, got ", opt.positions);
+  require_directory(opt.run_dir, "a run directory");
   auto dir = find_checkpoint(opt.run_dir, opt.checkpoint);
   if (!dir) fail(opt.run_dir.string(), ": run has no checkpoint", opt.checkpoint.empty() ? "" : " named " + opt.checkpoint);
   Checkpoint ck = load_checkpoint(*dir, false);

@@ -20,8 +20,8 @@ void add_analyze(CLI::App& app, Action& action) {
   cmd->add_option("--checkpoint", a->opt.checkpoint, "checkpoint name (default: latest)");
   cmd->add_option("--data", a->opt.data, "data directory (default: the run's data.dir)");
   cmd->add_option("--what", a->what, "comma-separated: maps,cka,rescue,gates (default: all the pathway supports)");
-  cmd->add_option("--sequences", a->opt.sequences, "held-out sequences (default 4)");
-  cmd->add_option("--positions", a->opt.positions, "last positions of each sequence used (default 128)");
+  add_number(cmd, "--sequences", a->opt.sequences, 1, int64_t(1) << 20, "held-out sequences (default 4)");
+  add_number(cmd, "--positions", a->opt.positions, 1, int64_t(1) << 24, "last positions of each sequence used (default 128)");
   cmd->add_option("--out", a->out, "output directory (default RUN_DIR/analysis)");
   cmd->add_flag("--json", a->json, "print the numbers as JSON");
   cmd->callback([&action, a] {

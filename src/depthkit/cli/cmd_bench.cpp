@@ -11,6 +11,7 @@
 #include "depthkit/train/op_bench.h"
 #include "depthkit/train/bench.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 
 namespace depthkit::cli {
 
@@ -161,17 +162,8 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
 int print_decoding(const Config& cfg, const std::vector<std::string>& kinds, const std::string& list, int64_t steps,
                    bool json) {
   std::vector<int64_t> lengths;
-  for (const std::string& item : split_list(list, "--decode")) {
-    size_t used = 0;
-    int64_t T = 0;
-    try {
-      T = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size() || T < 2) fail("--decode: '", item, "' is not a context length ≥ 2");
-    lengths.push_back(T);
-  }
+  for (const std::string& item : split_list(list, "--decode"))
+    lengths.push_back(parse_int(item, 2, kMaxSeqLen, "--decode"));  // a context length
   // Each length needs a prefill before its timed positions; the full forwards are slow, so fewer.
   const int64_t cached_steps = std::min(steps, *std::min_element(lengths.begin(), lengths.end()) - 1);
   const int64_t recompute_steps = std::min<int64_t>(cached_steps, 10);
@@ -225,12 +217,11 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_option("--decode", a->decode,
                   "decoding speed at these context lengths (e.g. 256,1024): the next position with the caches against "
                   "the full forward, per kind (--kinds; default the config's)");
-  cmd->add_option("--steps", a->steps, "timed steps (repeats with --ops)")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  cmd->add_option("--warmup", a->warmup, "untimed warm-up steps")->check(CLI::Range(int64_t(0), int64_t(1) << 20));
-  cmd->add_option("--profile", a->profile,
-                  "then run this many more steps per kind under the operator profiler and print where the time goes")
-      ->check(CLI::Range(int64_t(0), int64_t(1) << 20));
-  cmd->add_option("--top", a->top, "operators to print per kind with --profile")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  add_number(cmd, "--steps", a->steps, 1, int64_t(1) << 20, "timed steps (repeats with --ops)");
+  add_number(cmd, "--warmup", a->warmup, 0, int64_t(1) << 20, "untimed warm-up steps");
+  add_number(cmd, "--profile", a->profile, 0, int64_t(1) << 20,
+             "then run this many more steps per kind under the operator profiler and print where the time goes");
+  add_number(cmd, "--top", a->top, 1, int64_t(1) << 20, "operators to print per kind with --profile");
   cmd->add_flag("--json", a->json, "print JSON");
   variant_option->excludes("--kinds");
   variant_option->excludes("--decode");

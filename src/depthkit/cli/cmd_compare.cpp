@@ -7,6 +7,7 @@
 #include "depthkit/cli/commands.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/process.h"
 
 namespace depthkit::cli {
 
@@ -29,7 +30,7 @@ void add_compare(CLI::App& app, Action& action) {
       opt.spec = load_compare_spec(a->spec, a->sets);
       opt.out = a->out.empty() ? fs::path("runs") / "compare" / fs::path(a->spec).stem() : fs::path(a->out);
       opt.resume = a->resume;
-      opt.executable = fs::read_symlink("/proc/self/exe");
+      opt.executable = depthkit_program();
       const auto results = run_compare(opt);
       if (a->json) std::printf("%s\n", results.dump().c_str());
       else std::printf("%s\nwritten: %s/{results.json,table.md,loss_curves.png%s}\n", compare_table(results).c_str(),

@@ -18,12 +18,12 @@ void add_data(CLI::App& app, Action& action) {
       ->required()
       ->expected(1, -1);
   prep->add_option("--out", opt->out_dir, "output directory")->required();
-  prep->add_option("--vocab-size", opt->vocab_size, "BPE vocabulary size")->check(CLI::Range(300, 1 << 20));
-  prep->add_option("--val-fraction", opt->val_fraction, "share of documents held out for validation");
-  prep->add_option("--seed", opt->seed, "seed of the train/val split");
+  add_number(prep, "--vocab-size", opt->vocab_size, 300, 1 << 20, "BPE vocabulary size");
+  add_number(prep, "--val-fraction", opt->val_fraction, 0.0, 1.0, "share of documents held out for validation");
+  add_number(prep, "--seed", opt->seed, 0, UINT64_MAX, "seed of the train/val split");
   prep->add_option("--tokenizer", opt->tokenizer, "use this SentencePiece model instead of training one")
       ->check(CLI::ExistingFile);
-  prep->add_option("--shard-tokens", opt->shard_tokens, "tokens per shard (llm.c: 100M)");
+  add_number(prep, "--shard-tokens", opt->shard_tokens, 1024, INT64_MAX, "tokens per shard (llm.c: 100M)");
   prep->add_flag("--force", opt->force, "replace an existing output directory");
   prep->add_flag("--json", *json, "print the summary as JSON");
   prep->callback([&action, opt, json] {
@@ -48,13 +48,12 @@ void add_data(CLI::App& app, Action& action) {
   auto task_json = std::make_shared<bool>(false);
   task->add_option("--data", copt->data_dir, "a prepared data directory (depthkit data prepare)")->required();
   task->add_option("--out", copt->out, "the task file to write (JSONL)")->required();
-  task->add_option("--items", copt->items, "scored items, at most")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
-  task->add_option("--dev-items", copt->dev_items, "few-shot items (\"split\": \"dev\")")
-      ->check(CLI::Range(int64_t(0), int64_t(1) << 30));
-  task->add_option("--choices", copt->choices, "candidates per item")->check(CLI::Range(2, 26));
-  task->add_option("--context-bytes", copt->context_bytes, "longest passage, in bytes")
-      ->check(CLI::Range(int64_t(100), int64_t(1) << 20));
-  task->add_option("--seed", copt->seed, "seed of the construction (and of the task's few-shot draws)");
+  add_number(task, "--items", copt->items, 1, int64_t(1) << 30, "scored items, at most");
+  add_number(task, "--dev-items", copt->dev_items, 0, int64_t(1) << 30, "few-shot items (\"split\": \"dev\")");
+  add_number(task, "--choices", copt->choices, 2, 26, "candidates per item");
+  add_number(task, "--context-bytes", copt->context_bytes, kClozeMinContextOption, int64_t(1) << 20,
+             "longest passage, in bytes");
+  add_number(task, "--seed", copt->seed, 0, UINT64_MAX, "seed of the construction (and of the task's few-shot draws)");
   task->add_flag("--force", copt->force, "replace an existing output file");
   task->add_flag("--json", *task_json, "print the summary as JSON");
   task->callback([&action, copt, task_json] {

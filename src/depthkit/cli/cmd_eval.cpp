@@ -77,15 +77,13 @@ void add_eval(CLI::App& app, Action& action) {
   cmd->add_option("--run-dir", a->run_dir, "run directory")->required();
   cmd->add_option("--data", a->data, "data directory (default: the run's data.dir)");
   cmd->add_option("--checkpoint", a->checkpoint, "checkpoint name, e.g. step_00000100 (default: latest)");
-  auto* tokens = cmd->add_option("--tokens", a->tokens, "validation tokens (default: train.eval_tokens)");
+  auto* tokens = add_number(cmd, "--tokens", a->tokens, 1, INT64_MAX, "validation tokens (default: train.eval_tokens)");
   auto* task = cmd->add_option("--task", a->task, "score a task file (JSONL, docs/tasks.md) instead of validation loss");
   tokens->excludes(task);
   cmd->add_option("--dev", a->dev, "a task file whose items join the few-shot pool")->needs(task);
-  cmd->add_option("--shots", a->shots, "few-shot examples before each item (default: the task's)")
-      ->check(CLI::Range(0, 1000))
-      ->needs(task);
-  cmd->add_option("--limit", a->limit, "score only the first N items")->check(CLI::Range(int64_t(1), INT64_MAX))->needs(task);
-  auto* seed = cmd->add_option("--seed", a->seed, "seed of the few-shot draws (default: the task's)")->needs(task);
+  add_number(cmd, "--shots", a->shots, 0, 1000, "few-shot examples before each item (default: the task's)")->needs(task);
+  add_number(cmd, "--limit", a->limit, 1, INT64_MAX, "score only the first N items")->needs(task);
+  auto* seed = add_number(cmd, "--seed", a->seed, 0, UINT64_MAX, "seed of the few-shot draws (default: the task's)")->needs(task);
   cmd->add_flag("--json", a->json, "print JSON");
   cmd->callback([&action, a, seed] {
     a->has_seed = seed->count() > 0;

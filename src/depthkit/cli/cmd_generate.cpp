@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
@@ -68,6 +69,10 @@ int run_generate(const GenerateArgs& a) {
   // end-of-document id, so the prompt does too.
   std::vector<int> ids = {tokenizer.eos_id()};
   for (int id : tokenizer.encode(prompt)) ids.push_back(id);
+  if (int64_t(ids.size()) > run.config.model.seq_len)
+    fail(a.prompt_file.empty() ? std::string("--prompt") : a.prompt_file, ": the prompt is ", ids.size(),
+         " tokens (with the start-of-document id), more than the model's context, model.seq_len ",
+         run.config.model.seq_len);
   TextStream stream(tokenizer);
   OnToken print;
   if (!a.json) print = [&stream](size_t, int id) { stream.add(id); return true; };
@@ -114,11 +119,13 @@ void add_generate(CLI::App& app, Action& action) {
   cmd->add_option("--data", a->data, "prepared data directory holding tokenizer.model (default: the run's data.dir)");
   cmd->add_option("--prompt", a->prompt, "the prompt text");
   cmd->add_option("--prompt-file", a->prompt_file, "a file whose whole text is the prompt");
-  cmd->add_option("--max-new-tokens", a->max_new_tokens, "ids to generate at most (default 128)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--temperature", a->sampling.temperature, "sampling temperature; 0 is greedy (default 1)");
-  cmd->add_option("--top-k", a->sampling.top_k, "sample among the k most likely ids; 0: all (default 0)");
-  cmd->add_option("--top-p", a->sampling.top_p, "sample among the most likely ids of this much mass (default 1)");
-  cmd->add_option("--seed", a->sampling.seed, "the sampler's seed (default 0)");
+  add_number(cmd, "--max-new-tokens", a->max_new_tokens, 0, INT64_MAX, "ids to generate at most (default 128)");
+  add_number(cmd, "--temperature", a->sampling.temperature, 0.0, std::numeric_limits<double>::infinity(),
+             "sampling temperature; 0 is greedy (default 1)");
+  add_number(cmd, "--top-k", a->sampling.top_k, 0, INT64_MAX, "sample among the k most likely ids; 0: all (default 0)");
+  add_number(cmd, "--top-p", a->sampling.top_p, 0.0, 1.0,
+             "sample among the most likely ids of this much mass, in (0, 1] (default 1)");
+  add_number(cmd, "--seed", a->sampling.seed, 0, UINT64_MAX, "the sampler's seed (default 0)");
   cmd->add_flag("--json", a->json, "print one JSON object (text, counts, tokens/s) instead of streaming the text");
   cmd->callback([&action, a] { action = [a] { return run_generate(*a); }; });
 }

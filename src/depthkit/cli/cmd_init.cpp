@@ -6,6 +6,7 @@
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
 
 namespace depthkit::cli {
 
@@ -25,7 +26,13 @@ void add_init(CLI::App& app, Action& action) {
   cmd->callback([&action, a] {
     action = [a] {
       Config cfg = Config::load(a->config, a->sets);
-      if (fs::exists(a->out) && !a->force) fail(a->out, ": already exists (pass --force to replace it)");
+      std::error_code ec;
+      if (fs::exists(fs::symlink_status(a->out, ec))) {
+        if (!fs::is_directory(a->out)) fail(a->out, ": is ", path_kind(a->out), ", not a checkpoint folder");
+        if (!a->force) fail(a->out, ": already exists (pass --force to replace it)");
+        check_only_owned(a->out, is_checkpoint_file,
+                         "a checkpoint folder (model.safetensors, optimizer.safetensors, state.json)");
+      }
       Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
       AdamW opt(model.parameters(), cfg.optim);
       TrainerState st;

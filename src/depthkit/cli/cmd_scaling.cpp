@@ -1,5 +1,6 @@
 // depthkit scaling: shifted power-law fits and iso-loss compute speedups (analysis/scaling.h).
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/analysis/plots.h"
@@ -19,7 +20,8 @@ void add_scaling(CLI::App& app, Action& action) {
   };
   auto a = std::make_shared<Args>();
   cmd->add_option("--runs", a->runs, "points: CSV (method,compute,loss) or JSON")->required();
-  cmd->add_option("--irreducible", a->irreducible, "the fixed irreducible loss E (default 0.72, MSAR §4.3)");
+  add_number(cmd, "--irreducible", a->irreducible, 0.0, std::numeric_limits<double>::infinity(),
+             "the fixed irreducible loss E (default 0.72, MSAR §4.3)");
   cmd->add_option("--baseline", a->baseline, "the method speedups are measured against (default residual)");
   cmd->add_option("--plot", a->plot, "PNG of the fits (default: next to --runs, <name>.scaling.png)");
   cmd->add_flag("--json", a->json, "print JSON");

@@ -54,7 +54,9 @@ int run_train(const TrainArgs& a) {
   if (a.nproc > 0) {
     if (opt.launch.world_size > 1)
       fail("--nproc given inside a launched job (WORLD_SIZE is ", opt.launch.world_size, "): use one launcher");
-    process_group_backend(opt.config.train);  // refused once here rather than by every rank
+    // What every rank would find wrong alike (and each report) is found here, once, before any
+    // rank starts.
+    check_job_start(opt, a.nproc);
     // The launcher waits for its ranks; a rank that fails is noticed by the others within
     // train.timeout_s, and any still running after that (and a margin) are ended.
     return launch_local_ranks(a.nproc, rank_command_line(), opt.config.train.timeout_s + 30);
@@ -103,10 +105,8 @@ void add_train(CLI::App& app, Action& action) {
   cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<config name>)");
   cmd->add_flag("--resume", a->resume, "continue from the run's latest checkpoint");
   cmd->add_flag("--json", a->json, "print the final summary as JSON");
-  cmd->add_option("--nproc", a->nproc, "start this many ranks on this machine (c10d; or launch with torchrun)")
-      ->check(CLI::Range(int64_t(1), int64_t(1024)));
-  cmd->add_option("--stop-after", a->stop_after, "stop with a checkpoint after this step, as if interrupted")
-      ->check(CLI::Range(int64_t(1), INT64_MAX));
+  add_number(cmd, "--nproc", a->nproc, 1, 1024, "start this many ranks on this machine (c10d; or launch with torchrun)");
+  add_number(cmd, "--stop-after", a->stop_after, 1, INT64_MAX, "stop with a checkpoint after this step, as if interrupted");
   cmd->callback([&action, a] { action = [a] { return run_train(*a); }; });
 }
 

@@ -11,6 +11,7 @@
 #include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/numbers.h"
 
 namespace depthkit {
 
@@ -41,7 +42,7 @@ std::vector<Field> fields(Config& c) {
       {"model", "head_dim", &m.head_dim, 0, 4096},
       {"model", "d_ff", &m.d_ff, 1, 1 << 22},
       {"model", "vocab_size", &m.vocab_size, 2, 1 << 30},
-      {"model", "seq_len", &m.seq_len, 1, 1 << 24},
+      {"model", "seq_len", &m.seq_len, 1, double(kMaxSeqLen)},
       {"model", "tie_embeddings", &m.tie_embeddings},
       {"model", "rope_theta", &m.rope_theta, 1, kInf},
       {"model", "norm_eps", &m.norm_eps, 0, 1},
@@ -123,11 +124,10 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
   auto bad = [&](const std::string& want) {
     fail(where, ": key '", f.path(), "' must be ", want, ", got ", describe(n));
   };
-  auto check_range = [&](double v) {
-    if (!(v >= f.min && v <= f.max)) {
-      std::string range = std::isinf(f.max) ? cat(">= ", f.min) : cat("in [", f.min, ", ", f.max, "]");
-      fail(where, ": key '", f.path(), "' must be ", range, ", got ", v);
-    }
+  // Integers print as integers (4194305, not 4.1943e+06), other numbers in full.
+  auto check_range = [&](double v, const std::string& given) {
+    if (!(v >= f.min && v <= f.max))
+      fail(where, ": key '", f.path(), "' must be ", range_text(f.min, f.max, kInf), ", got ", given);
   };
   std::visit(
       [&](auto* p) {
@@ -135,13 +135,13 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
         if constexpr (std::is_same_v<T, int64_t>) {
           auto v = n.value_exact<int64_t>();
           if (!v) bad("an integer");
-          check_range(double(*v));
+          check_range(double(*v), std::to_string(*v));
           *p = *v;
         } else if constexpr (std::is_same_v<T, double>) {
           if (!n.is_number()) bad("a number");
           double v = *n.value<double>();
           if (!std::isfinite(v)) fail(where, ": key '", f.path(), "' must be a finite number, got ", v);
-          check_range(v);
+          check_range(v, number_text(v));
           *p = v;
         } else if constexpr (std::is_same_v<T, bool>) {
           auto v = n.value_exact<bool>();
@@ -154,7 +154,7 @@ void assign(const Field& f, const toml::node& n, const std::string& where) {
           for (const auto& el : *arr) {
             auto v = el.value_exact<int64_t>();
             if (!v) fail(where, ": key '", f.path(), "' must be an array of integers, got an element ", describe(el));
-            check_range(double(*v));
+            check_range(double(*v), std::to_string(*v));
             out.push_back(*v);
           }
           *p = out;
@@ -308,8 +308,11 @@ Config Config::load(const std::string& path, const std::vector<std::string>& ove
   return parse(read_file(path, 16u << 20), path, overrides);
 }
 
-std::string Config::to_toml() const {
-  Config copy = *this;
+namespace {
+
+// The config as a TOML table, one [section] per field section, in declaration order.
+toml::table as_table(const Config& c) {
+  Config copy = c;
   toml::table root;
   for (const auto& f : fields(copy)) {
     if (!root.contains(f.section)) root.insert(f.section, toml::table{});
@@ -327,9 +330,29 @@ std::string Config::to_toml() const {
         },
         f.target);
   }
+  return root;
+}
+
+}  // namespace
+
+std::string Config::to_toml() const {
   std::ostringstream os;
-  os << root << "\n";
+  os << as_table(*this) << "\n";
   return os.str();
+}
+
+std::vector<std::pair<std::string, std::string>> Config::values() const {
+  const toml::table root = as_table(*this);
+  Config copy = *this;
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& f : fields(copy)) {
+    std::ostringstream os;
+    const toml::node& n = *root.get_as<toml::table>(f.section)->get(f.key);
+    if (n.is_floating_point()) os << number_text(*n.value<double>());  // 0.003, not 0.0030000000000000001
+    else n.visit([&](const auto& v) { os << v; });
+    out.emplace_back(f.path(), os.str());
+  }
+  return out;
 }
 
 int64_t Config::total_steps(int64_t ranks) const {

@@ -41,6 +41,9 @@ struct MoeConfig {
 std::string grouped_experts_unsupported(const std::string& device, const std::string& dtype, int64_t d_model,
                                         int64_t expert_d_ff);
 
+// The longest context model.seq_len may name (and bench --decode may time).
+constexpr int64_t kMaxSeqLen = int64_t(1) << 24;
+
 struct ModelConfig {
   int64_t n_layers = 4;
   int64_t d_model = 128;
@@ -49,7 +52,7 @@ struct ModelConfig {
   int64_t head_dim = 0;  // 0: d_model / n_heads
   int64_t d_ff = 384;
   int64_t vocab_size = 4096;
-  int64_t seq_len = 256;
+  int64_t seq_len = 256;  // at most kMaxSeqLen
   bool tie_embeddings = false;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
@@ -138,6 +141,8 @@ struct Config {
                       const std::vector<std::string>& overrides = {});
   // The fully resolved configuration (every key, defaults included) as TOML.
   std::string to_toml() const;
+  // Every key with its value as TOML writes it, "section.key" → "value", in declaration order.
+  std::vector<std::pair<std::string, std::string>> values() const;
 
   // Over `ranks` processes, each with train.micro_batch x train.grad_accum sequences a step.
   int64_t tokens_per_step(int64_t ranks = 1) const {

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
@@ -15,24 +17,86 @@ namespace depthkit {
 
 namespace {
 
+// The documents the inputs name, each once: a regular file is one document, a directory gives every
+// regular file below it (in name order). Anything else is refused by name, never skipped: a FIFO,
+// socket or device, a symbolic link to nothing, a link to a directory inside an input directory
+// (not followed: name it as an input of its own), and a document reached twice ("--input X X", a
+// directory and a file inside it).
 std::vector<fs::path> list_documents(const std::vector<std::string>& inputs) {
   std::vector<fs::path> docs;
+  std::map<fs::path, std::string> seen;  // canonical path → the input that named it
+  auto add = [&](const fs::path& doc, const std::string& input) {
+    const fs::path key = fs::canonical(doc);
+    if (auto [it, fresh] = seen.emplace(key, input); !fresh)
+      fail(doc.string(), ": named twice (by --input '", it->second, "' and by '", input,
+           "'); each document is read once: drop one of them");
+    docs.push_back(doc);
+  };
   for (const auto& in : inputs) {
-    if (fs::is_regular_file(in)) {
-      docs.emplace_back(in);
-    } else if (fs::is_directory(in)) {
+    std::error_code ec;
+    if (fs::is_regular_file(in, ec)) {
+      add(in, in);
+    } else if (fs::is_directory(in, ec)) {
       std::vector<fs::path> found;
-      for (const auto& e : fs::recursive_directory_iterator(in))
-        if (e.is_regular_file()) found.push_back(e.path());
+      for (auto it = fs::recursive_directory_iterator(in); it != fs::recursive_directory_iterator(); ++it) {
+        const fs::directory_entry& e = *it;
+        if (e.is_symlink() && e.is_directory())
+          fail(e.path().string(), ": a symbolic link to a directory inside --input '", in,
+               "' (not followed; name it as an --input of its own)");
+        if (e.is_directory()) continue;
+        if (!e.is_regular_file())
+          fail(e.path().string(), ": is ", path_kind(e.path()), " inside --input '", in,
+               "', not a document (data prepare reads regular files; remove it, or name the files to read)");
+        found.push_back(e.path());
+      }
       if (found.empty()) fail(in, ": input directory holds no files");
       std::sort(found.begin(), found.end());
-      docs.insert(docs.end(), found.begin(), found.end());
+      for (const fs::path& doc : found) add(doc, in);
     } else {
-      fail(in, ": input not found");
+      const std::string kind = path_kind(in);
+      if (kind == "nothing") fail(in, ": input not found");
+      fail(in, ": is ", kind, ", not a document or a directory of documents");
     }
   }
   if (docs.empty()) fail("data prepare: no --input given");
   return docs;
+}
+
+// The output must stay clear of the inputs: never one of them, never holding one (--force would
+// remove it), never inside an input directory (the next prepare would read its shards as
+// documents).
+void check_output_apart(const fs::path& out, const std::vector<std::string>& inputs) {
+  for (const auto& in : inputs) {
+    if (is_within(in, out))
+      fail("--out ", out.string(), ": holds the input '", in, "'; data prepare never writes where its inputs are "
+           "(choose another --out)");
+    if (fs::is_directory(in) && is_within(out, in))
+      fail("--out ", out.string(), ": lies inside the input directory '", in,
+           "', whose files are all documents (choose an --out outside it)");
+  }
+}
+
+// What data prepare writes into its output directory: meta.json, tokenizer.model and the shards
+// meta.json lists. --force replaces a directory that holds nothing else.
+void check_replaceable_output(const fs::path& out) {
+  const fs::path meta_path = out / "meta.json";
+  std::set<std::string> ours = {"meta.json", "tokenizer.model"};
+  std::error_code ec;
+  if (!fs::is_empty(out, ec)) {
+    nlohmann::json meta;
+    if (fs::is_regular_file(meta_path))
+      meta = nlohmann::json::parse(read_file(meta_path, 64u << 20), nullptr, false);
+    if (!meta.is_object() || meta.value("format", "") != "llm.c token shards" || !meta.contains("splits") ||
+        !meta["splits"].is_object())
+      fail(out.string(), ": --force replaces only a directory that data prepare wrote, and it has no meta.json of "
+           "data prepare's (choose another --out, or empty it yourself)");
+    for (const auto& [split, info] : meta["splits"].items())
+      if (info.is_object() && info.contains("shards") && info["shards"].is_array())
+        for (const auto& name : info["shards"])
+          if (name.is_string()) ours.insert(name.get<std::string>());
+  }
+  check_only_owned(out, [&](const std::string& name) { return ours.count(name) > 0; },
+                   "what data prepare wrote there (meta.json, tokenizer.model and the shards meta.json lists)");
 }
 
 // Writes one split's tokens as shards of at most shard_tokens; returns the shard names.
@@ -58,9 +122,14 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   if (!(opt.val_fraction > 0 && opt.val_fraction < 1))
     fail("--val-fraction must be in (0, 1), got ", opt.val_fraction);
   if (opt.shard_tokens < 1024) fail("--shard-tokens must be >= 1024, got ", opt.shard_tokens);
-  fs::path out(opt.out_dir);
-  if (fs::exists(out) && !opt.force)
-    fail(out.string(), ": output directory already exists (pass --force to replace it)");
+  const fs::path out(opt.out_dir);
+  check_output_apart(out, opt.inputs);
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(out, ec))) {
+    if (!fs::is_directory(out)) fail(out.string(), ": is ", path_kind(out), ", not an output directory");
+    if (!opt.force) fail(out.string(), ": output directory already exists (pass --force to replace it)");
+    check_replaceable_output(out);
+  }
 
   auto paths = list_documents(opt.inputs);
   std::vector<std::string> texts;
@@ -72,7 +141,7 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   }
   // Deterministic split by document: a seeded Fisher–Yates permutation, the first share is val.
   const int64_t n = texts.size();
-  if (n < 2) fail("data prepare: need at least 2 documents to split train/val, got ", n);
+  if (n < 2) fail("data prepare: --input names ", n, " document; the train/val split needs at least 2");
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
   uint64_t state = opt.seed ^ 0xd1b54a32d192ed03ull;
@@ -81,17 +150,18 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   std::vector<bool> is_val(n, false);
   for (int64_t i = 0; i < n_val; ++i) is_val[order[i]] = true;
 
-  // Everything is built in a sibling folder and renamed into place at the end.
-  fs::path partial = out.string() + ".partial";
-  fs::remove_all(partial);
-  fs::create_directories(partial);
+  // Everything is built in a fresh sibling folder and renamed into place at the end; a failure
+  // removes that folder and nothing else.
+  TemporaryDirectory building(make_sibling_dir(out, "partial"));
+  const fs::path& partial = building.path();
   const fs::path model_path = partial / "tokenizer.model";
   if (opt.tokenizer.empty()) {
     std::vector<std::string> train_texts;
     for (int64_t i = 0; i < n; ++i)
       if (!is_val[i]) train_texts.push_back(texts[i]);
-    std::fprintf(stderr, "training BPE tokenizer (vocab %d) on %lld documents, %s bytes...\n",
-                 opt.vocab_size, (long long)train_texts.size(), format_count(double(bytes)).c_str());
+    if (Progress::enabled())
+      std::fprintf(stderr, "training BPE tokenizer (vocab %d) on %lld documents, %s bytes...\n", opt.vocab_size,
+                   (long long)train_texts.size(), format_count(double(bytes)).c_str());
     train_tokenizer(train_texts, opt.vocab_size, opt.seed, model_path.string());
   } else {
     Tokenizer check(opt.tokenizer);  // validates it before copying
@@ -116,6 +186,10 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
 
   PrepareResult r;
   r.vocab_size = tok.vocab_size();
+  if (opt.tokenizer.empty() && r.vocab_size < opt.vocab_size)
+    std::fprintf(stderr, "data prepare: the training documents yield %d pieces, fewer than --vocab-size %d; the "
+                 "tokenizer has %d (meta.json: vocab_size_requested)\n",
+                 r.vocab_size, opt.vocab_size, r.vocab_size);
   r.train_tokens = split_tokens[0].size();
   r.val_tokens = split_tokens[1].size();
   r.train_docs = docs_in[0];
@@ -139,6 +213,7 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   meta["tokenizer"] = "tokenizer.model";
   meta["tokenizer_type"] = "sentencepiece-bpe-byte-fallback";
   meta["vocab_size"] = r.vocab_size;
+  if (opt.tokenizer.empty()) meta["vocab_size_requested"] = opt.vocab_size;
   meta["eos_id"] = tok.eos_id();
   meta["seed"] = opt.seed;
   meta["val_fraction"] = opt.val_fraction;
@@ -156,17 +231,8 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   }
   write_file_atomic(partial / "meta.json", meta.dump(2) + "\n");
   fsync_path(partial);
-
-  if (fs::exists(out)) {
-    fs::path old = out.string() + ".old";
-    fs::remove_all(old);
-    rename_durable(out, old);
-    rename_durable(partial, out);
-    fs::remove_all(old);
-  } else {
-    if (!out.parent_path().empty()) fs::create_directories(out.parent_path());
-    rename_durable(partial, out);
-  }
+  replace_directory(partial, out);
+  building.release();
   return r;
 }
 

@@ -12,6 +12,7 @@ namespace depthkit {
 
 Tokenizer::Tokenizer(const std::string& model_path)
     : path_(model_path), sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
+  regular_file_size(model_path, uintmax_t(1) << 30);  // a FIFO would block the load, a directory fail obscurely
   auto status = sp_->Load(model_path);
   if (!status.ok()) fail(model_path, ": cannot load SentencePiece model: ", status.ToString());
   newline_id_ = sp_->PieceToId("<0x0A>");
@@ -108,12 +109,24 @@ void train_tokenizer(const std::vector<std::string>& texts, int vocab_size, uint
       {"eos_piece", "<|endoftext|>"},
       {"hard_vocab_limit", "false"},
       {"num_threads", std::to_string(threads)},
-      {"minloglevel", "1"},
+      // Errors come back in the status; a vocabulary the corpus cannot fill is reported by data
+      // prepare in its own line (meta.json's vocab_size_requested).
+      {"minloglevel", "2"},
   };
   LineIterator lines(texts);
   std::string proto;
   auto status = sentencepiece::SentencePieceTrainer::Train(args, &lines, &proto);
-  if (!status.ok()) fail("tokenizer training failed: ", status.ToString());
+  if (!status.ok()) {
+    // "Vocabulary size is smaller than required_chars. 300 vs 388.": the pieces the corpus needs
+    // before any merge (its characters, the 256 byte-fallback pieces, the special ids).
+    const std::string why = status.ToString();
+    long long asked = 0, needed = 0;
+    if (const size_t at = why.find("smaller than required_chars. ");
+        at != std::string::npos && std::sscanf(why.c_str() + at + 29, "%lld vs %lld", &asked, &needed) == 2)
+      fail("--vocab-size ", vocab_size, " is too small for these documents: their characters, the 256 byte-fallback "
+           "pieces and the special ids need at least ", needed, " (use --vocab-size ", needed, " or more)");
+    fail("tokenizer training failed: ", printable(why));
+  }
   write_file_atomic(model_path, proto);
 }
 

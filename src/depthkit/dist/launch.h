@@ -3,16 +3,28 @@
 // this program with torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE) and waits for them.
 #pragma once
+#include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
 namespace depthkit {
 
 // Runs `argv` (argv[0] is ignored: this program runs again) as ranks 0 … nproc − 1 on this
-// machine. SIGINT and SIGTERM are passed on to every rank. When a rank fails, the others are
-// given `grace_s` seconds to stop on their own (they notice within train.timeout_s), then killed.
-// Returns the job's exit status: 0 when every rank succeeded, else the first failed rank's.
+// machine. SIGINT and SIGTERM are passed on to every rank; a rank whose launcher dies (kill -9
+// included) is sent SIGTERM, so it checkpoints and stops. When a rank fails, the others are given
+// `grace_s` seconds to stop on their own (they notice within train.timeout_s), then killed.
+// The job speaks once: ranks report the error that ends them to the launcher instead of printing
+// it, and the launcher prints one line for the job (a rank killed or crashed, else the first
+// rank's own failure, else its account of another's). Returns 0 when every rank succeeded, 130
+// or 143 when an interrupted job stopped with its checkpoint, else 1.
 int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, double grace_s);
+
+// In a rank that launch_local_ranks started: hands the one line of the error that ends this
+// process (tagged a cause, or a consequence when it is JobStopped) to the launcher and returns
+// true. Returns false, and the caller prints the line, in any other process or when the launcher
+// is gone.
+bool report_to_launcher(const std::exception& error, const std::string& line);
 
 // This process's command line, as the kernel has it (/proc/self/cmdline).
 std::vector<std::string> own_command_line();

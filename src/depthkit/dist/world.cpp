@@ -5,7 +5,6 @@
 #define USE_C10D_GLOO 1
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/zeros.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -14,15 +13,18 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <atomic>
-#include <csignal>
-#include <chrono>
-#include <cstdlib>
-#include <map>
 #include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
 
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 
 namespace depthkit {
 
@@ -44,18 +46,47 @@ std::optional<std::string> env(const char* name) {
 
 int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
   const auto v = env(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const long long x = std::strtoll(v->c_str(), &end, 10);
-  if (v->empty() || *end != '\0' || errno != 0 || x < lo || x > hi)
-    fail("environment variable ", name, "='", printable(*v), "' must be an integer in [", lo, ", ", hi, "]");
-  return x;
+  return v ? parse_int(*v, lo, hi, cat("environment variable ", name)) : fallback;
 }
 
 std::string key_of(const char* what, int64_t rank) { return cat(what, "/", rank); }
 
 std::string as_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+using Json = nlohmann::json;
+
+Json facts_json(const World::Facts& facts) {
+  Json j = Json::object();
+  for (const auto& [name, value] : facts) j[name] = value;
+  return j;
+}
+
+// How the ranks' facts differ from rank 0's, or "" when they agree: "rank 1 differs from rank 0:
+// train.seed = 2 (rank 0: 1), optim.lr = 0.001 (rank 0: 0.003)". The same text on every rank.
+std::string differences(const std::vector<Json>& facts) {
+  constexpr int kRanksShown = 3, kKeysShown = 4;
+  auto value = [](const Json& f, const std::string& key) {
+    return f.contains(key) ? printable(f[key].get<std::string>()) : std::string("(none)");
+  };
+  std::string out;
+  int ranks_differing = 0;
+  for (size_t r = 1; r < facts.size(); ++r) {
+    std::vector<std::string> keys;
+    for (const auto& [key, v] : facts[0].items())
+      if (value(facts[r], key) != value(facts[0], key)) keys.push_back(key);
+    for (const auto& [key, v] : facts[r].items())
+      if (!facts[0].contains(key)) keys.push_back(key);
+    if (keys.empty()) continue;
+    if (++ranks_differing > kRanksShown) continue;
+    std::string line = cat("rank ", r, " differs from rank 0: ");
+    for (size_t k = 0; k < keys.size() && k < size_t(kKeysShown); ++k)
+      line += cat(k ? ", " : "", keys[k], " = ", value(facts[r], keys[k]), " (rank 0: ", value(facts[0], keys[k]), ")");
+    if (keys.size() > size_t(kKeysShown)) line += cat(" and ", keys.size() - kKeysShown, " more");
+    out += (out.empty() ? "" : "; ") + line;
+  }
+  if (ranks_differing > kRanksShown) out += cat("; and ", ranks_differing - kRanksShown, " more ranks");
+  return out;
+}
 
 }  // namespace
 
@@ -74,8 +105,13 @@ LaunchEnv LaunchEnv::from_environment() {
     if (!env("MASTER_PORT")) fail("environment variable MASTER_PORT is not set (WORLD_SIZE is ", e.world_size, ")");
     e.master_port = env_int("MASTER_PORT", 0, 1, 65535);
   }
-  const auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
-  e.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
+  // torchrun writes "True" or "False"; anything else is a mistake, not a quiet "no".
+  if (const auto agent = env("TORCHELASTIC_USE_AGENT_STORE")) {
+    const std::string& a = *agent;
+    if (a != "True" && a != "true" && a != "1" && a != "False" && a != "false" && a != "0")
+      fail("environment variable TORCHELASTIC_USE_AGENT_STORE='", printable(a), "' must be True or False");
+    e.agent_store = a == "True" || a == "true" || a == "1";
+  }
   e.restart_count = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, INT32_MAX);
   return e;
 }
@@ -154,21 +190,23 @@ struct World::Impl {
   // collective failed: a rank that published its own failure, else the cause another rank found
   // first, else a rank whose heartbeat stopped, else the rank that lags behind this one. Empty
   // when nothing explains it (then the failure is this rank's own).
+  // What another rank published when it stopped: its own failure ("rank 1 failed: ..."), else the
+  // cause it found; "" when none did.
+  std::string published(c10d::Store& s) const {
+    for (int64_t r = 0; r < size; ++r)
+      if (r != rank && s.check({key_of("failed", r)})) return cat("rank ", r, " failed: ", as_string(s.get(key_of("failed", r))));
+    for (int64_t r = 0; r < size; ++r)
+      if (r != rank && s.check({key_of("stopped", r)})) return as_string(s.get(key_of("stopped", r)));
+    return "";
+  }
+
   std::string diagnose() const {
     try {
       auto s = quick_store();
-      auto published = [&]() -> std::string {
-        for (int64_t r = 0; r < size; ++r)
-          if (r != rank && s->check({key_of("failed", r)}))
-            return cat("rank ", r, " failed: ", as_string(s->get(key_of("failed", r))));
-        for (int64_t r = 0; r < size; ++r)
-          if (r != rank && s->check({key_of("stopped", r)})) return as_string(s->get(key_of("stopped", r)));
-        return "";
-      };
-      if (std::string cause = published(); !cause.empty()) return cause;
+      if (std::string cause = published(*s); !cause.empty()) return cause;
       const auto before = heartbeats(*s);
       std::this_thread::sleep_for(kSilence);
-      if (std::string cause = published(); !cause.empty()) return cause;
+      if (std::string cause = published(*s); !cause.empty()) return cause;
       const auto after = heartbeats(*s);
       for (int64_t r = 0; r < size; ++r) {
         if (r == rank) continue;
@@ -192,11 +230,73 @@ struct World::Impl {
                          : cat("rank 0 is gone (the rendezvous store it hosted at ", store_address, " no longer answers)");
     }
   }
+
+  int64_t rounds = 0;  // agreements made so far: every rank makes the same ones, in the same order
+
+  // Each process claims its RANK once in the store: a second process launched with the same RANK
+  // would otherwise wait for a rank that never comes, or join the group in another's place.
+  void check_claim(int64_t claims) const {
+    if (claims > 1)
+      fail("RANK=", rank, " is claimed by ", claims, " processes of this job (at ", store_address,
+           "): each process needs its own RANK in [0, WORLD_SIZE)");
+  }
+
+  // Publishes this rank's `mine` for `round` and returns every rank's, in rank order, each handed
+  // to `arrived` as it comes (rank 0's first, so that a rank launched unlike rank 0 is named
+  // without waiting for the others). Waits at most `timeout`: a rank that never published a
+  // heartbeat is named as never joined, one whose heartbeat stops meanwhile as gone, at once.
+  std::vector<Json> exchange(const std::string& round, const Json& mine, const std::string& what,
+                             const std::function<void(int64_t, const Json&)>& arrived) {
+    const auto key = [&](int64_t r) { return cat(round, "/", r); };
+    store->set(key(rank), mine.dump());
+    std::vector<Json> all(size);
+    std::vector<bool> have(size, false);
+    int64_t missing = size;
+    const auto start = std::chrono::steady_clock::now();
+    auto last_look = start;
+    auto last_beats = heartbeats(*store);
+    for (;;) {
+      for (int64_t r = 0; r < size; ++r) {
+        if (have[r]) continue;
+        if (r > 0 && !have[0]) break;  // rank 0 first
+        if (!store->check({key(r)})) continue;
+        all[r] = Json::parse(as_string(store->get(key(r))), nullptr, false);
+        have[r] = true;
+        --missing;
+        if (arrived) arrived(r, all[r]);
+      }
+      if (missing == 0) return all;
+      check_claim(store->add(key_of("claim", rank), 0));
+      // A rank that is not coming: the cause it published when it stopped, or else how it is missing.
+      auto stop = [&](const std::string& missing_rank) {
+        const std::string cause = published(*store);
+        throw JobStopped(cat("rank ", rank, " stops: ", cause.empty() ? missing_rank : cause));
+      };
+      const auto now = std::chrono::steady_clock::now();
+      if (now - start > timeout) {
+        const auto beats = heartbeats(*store);
+        for (int64_t r = 0; r < size; ++r)
+          if (!have[r])
+            stop(cat("rank ", r, beats.count(r) ? " did not reach " + what : std::string(" never joined the job"),
+                     " within ", timeout.count() / 1000.0, " s (train.timeout_s)"));
+      }
+      if (now - last_look >= kSilence) {
+        const auto beats = heartbeats(*store);
+        for (int64_t r = 0; r < size; ++r)
+          if (!have[r] && last_beats.count(r) && beats.count(r) && last_beats.at(r) == beats.at(r))
+            stop(cat("rank ", r, " is gone (no heartbeat for ", kSilence.count() / 1000.0, " s during ", what,
+                     ": killed, crashed or stopped)"));
+        last_beats = beats;
+        last_look = now;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  }
 };
 
 World::World() : impl_(std::make_unique<Impl>()) {}
 
-World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
+World::World(const LaunchEnv& env, const std::string& backend, double timeout_s, const Facts& facts)
     : impl_(std::make_unique<Impl>()), rank_(env.rank), size_(env.world_size) {
   Impl& w = *impl_;
   // A write to a closed socket (a rank or the job's store gone) must fail as an error that this
@@ -220,10 +320,13 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
   try {
     tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
   } catch (const std::exception& e) {
-    fail("rank ", env.rank, ": cannot reach the rendezvous store at ", w.store_address, " within ",
+    if (opts.isServer)  // a port in use: another job's store, or a second process launched as rank 0
+      fail("rank 0: cannot host the rendezvous store at ", w.store_address, " (MASTER_ADDR:MASTER_PORT): ", one_line(e));
+    fail("rank ", env.rank, ": cannot reach the rendezvous store at ", w.store_address, " (MASTER_ADDR:MASTER_PORT) within ",
          timeout_s, " s (train.timeout_s): ", one_line(e));
   }
   w.store = c10::make_intrusive<c10d::PrefixStore>(w.prefix, tcp);
+  w.check_claim(w.store->add(key_of("claim", w.rank), 1));
   // The heartbeat starts before the group forms, so that a rank missing at start-up is named.
   w.store->set(key_of("heartbeat", w.rank), "0 0");
   w.heartbeat = std::thread([&w] {
@@ -236,6 +339,24 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s)
     } catch (const std::exception&) {  // the store is gone; the next collective says so
     }
   });
+  // The rendezvous: how each rank was launched and what it starts from, checked before the group
+  // forms (a collective over tensors whose sizes differ between ranks aborts inside Gloo).
+  World::Facts all_facts = {{"WORLD_SIZE", std::to_string(w.size)}};
+  all_facts.insert(all_facts.end(), facts.begin(), facts.end());
+  const auto launched = w.exchange("launch", Json{{"facts", facts_json(all_facts)}}, "the rendezvous",
+                                   [&](int64_t r, const Json& theirs) {
+                                     const Json size = theirs.is_object() && theirs.contains("facts")
+                                                           ? theirs["facts"].value("WORLD_SIZE", Json("?"))
+                                                           : Json("?");
+                                     const std::string given = size.is_string() ? size.get<std::string>() : "?";
+                                     if (given != std::to_string(w.size))
+                                       fail("rank ", r, " was launched with WORLD_SIZE=", printable(given), " and rank ",
+                                            w.rank, " with WORLD_SIZE=", w.size, ": every rank of a job needs the same");
+                                   });
+  std::vector<Json> launched_facts;
+  for (const Json& j : launched) launched_facts.push_back(j["facts"]);
+  if (const std::string d = differences(launched_facts); !d.empty())
+    fail("the ranks were started differently (every rank of a job needs the same config and data); ", d);
   try {
     auto group_store = c10::make_intrusive<c10d::PrefixStore>("group", w.store);
     w.group = c10::make_intrusive<c10d::ProcessGroup>(group_store, int(w.rank), int(w.size));
@@ -292,17 +413,22 @@ at::Tensor World::all_gather(const at::Tensor& shard) {
   return out.to(shard.device());
 }
 
-void World::agree(bool ok, const std::string& what) {
+void World::agree(bool ok, const std::string& what, const Facts& facts) {
   if (!distributed()) return;
-  at::Tensor failed = at::zeros({size_}, at::kInt);
-  failed.data_ptr<int>()[rank_] = ok ? 0 : 1;
-  all_reduce_sum(failed);
+  Impl& w = *impl_;
+  const std::vector<Json> all =
+      w.exchange(cat("agree/", ++w.rounds), Json{{"ok", ok}, {"facts", facts_json(facts)}}, what, {});
   if (!ok) return;  // the caller rethrows its own error
   std::string names;
-  for (int64_t r = 0; r < size_; ++r)
-    if (failed.data_ptr<int>()[r]) names += cat(names.empty() ? "" : ", ", r);
+  std::vector<Json> all_facts;
+  for (int64_t r = 0; r < size_; ++r) {
+    const bool rank_ok = all[r].is_object() && all[r].value("ok", false);
+    if (!rank_ok) names += cat(names.empty() ? "" : ", ", r);
+    else all_facts.push_back(all[r]["facts"]);
+  }
   if (!names.empty())
     throw JobStopped(cat("rank ", names, " failed during ", what, " (its own message says why); rank ", rank_, " stops too"));
+  if (const std::string d = differences(all_facts); !d.empty()) fail("the ranks disagree at ", what, "; ", d);
 }
 
 void World::set_step(int64_t step) { impl_->step.store(step); }

@@ -62,10 +62,17 @@ class GradientReducer {
 
 class World {
  public:
+  // What a rank starts from, name → value ({"train.seed", "1"}): ranks whose facts differ refuse to
+  // start, naming them, instead of training a model no config describes (or crashing on the first
+  // collective whose sizes differ).
+  using Facts = std::vector<std::pair<std::string, std::string>>;
+
   World();  // one process
-  // Joins the job `env` describes: rendezvous through the TCPStore, then the process group of
-  // `backend` ("gloo" | "nccl"), every collective bounded by timeout_s.
-  World(const LaunchEnv& env, const std::string& backend, double timeout_s);
+  // Joins the job `env` describes: rendezvous through the TCPStore, where every rank claims its
+  // RANK and says its WORLD_SIZE and `facts` (rank 0's are read first, so that a rank launched
+  // differently is named at once), then the process group of `backend` ("gloo" | "nccl"). The
+  // rendezvous and every collective are bounded by timeout_s.
+  World(const LaunchEnv& env, const std::string& backend, double timeout_s, const Facts& facts = {});
   ~World();
   World(const World&) = delete;
   World& operator=(const World&) = delete;
@@ -82,10 +89,11 @@ class World {
   // Every rank's `shard` (1-D, the same length on every rank) concatenated in rank order.
   at::Tensor all_gather(const at::Tensor& shard);
 
-  // Start-up: every rank says whether its part succeeded. Returns on all ranks when all did;
-  // otherwise throws JobStopped, on the ranks that succeeded, naming the ranks that failed (those
-  // rethrow their own error).
-  void agree(bool ok, const std::string& what);
+  // Start-up: every rank says whether its part succeeded and what it starts from. Returns on all
+  // ranks when all succeeded with the same facts. Otherwise throws, on the ranks that succeeded:
+  // JobStopped naming the ranks that failed (those rethrow their own error), or Error naming the
+  // facts that differ, rank by rank. Through the store: a rank gone or stuck is named too.
+  void agree(bool ok, const std::string& what, const Facts& facts = {});
 
   // The gradient reducer for `params` (the identity in one process).
   std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,

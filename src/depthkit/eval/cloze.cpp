@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
@@ -29,6 +30,7 @@ constexpr size_t kMinContextBytes = 100;
 // Distractor draws per item: the first half ask for a length within a factor of 1.5 of the answer's
 // (so that length alone does not give it away), the rest take any length.
 constexpr int kDraws = 200;
+static_assert(kClozeMinContextOption == int64_t(kMinContextBytes + kMaxLineBytes));
 
 std::string_view strip(std::string_view s) {
   const size_t a = s.find_first_not_of(" \t\r");
@@ -60,6 +62,19 @@ uint64_t draw(uint64_t& state, size_t n) { return splitmix64(state) % uint64_t(n
 template <class T>
 void shuffle(std::vector<T>& v, uint64_t& state) {
   for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[draw(state, i)]);
+}
+
+// Whether `path` starts with the header make_cloze_task writes: what its --force may replace.
+bool is_cloze_task_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string first(64 * 1024, '\0');
+  in.read(first.data(), std::streamsize(first.size()));
+  first.resize(size_t(in.gcount()));
+  first = first.substr(0, first.find('\n'));
+  const nlohmann::json j = nlohmann::json::parse(first, nullptr, false);
+  if (!j.is_object() || !j.contains("task") || !j["task"].is_object()) return false;
+  const nlohmann::json& d = j["task"].value("description", nlohmann::json());
+  return d.is_string() && d.get<std::string>().starts_with("next-line cloze");
 }
 
 }  // namespace
@@ -94,10 +109,16 @@ ClozeResult make_cloze_task(const ClozeOptions& opt) {
   if (opt.items < 1) fail("data make-task: --items must be at least 1, got ", opt.items);
   if (opt.dev_items < 0) fail("data make-task: --dev-items must be at least 0, got ", opt.dev_items);
   if (opt.choices < 2 || opt.choices > 26) fail("data make-task: --choices must be in [2, 26], got ", opt.choices);
-  if (opt.context_bytes < int64_t(kMinContextBytes))
-    fail("data make-task: --context-bytes must be at least ", kMinContextBytes, ", got ", opt.context_bytes);
-  if (fs::exists(opt.out) && !opt.force) fail(opt.out, ": already exists (pass --force to replace it)");
-  if (fs::is_directory(opt.out)) fail(opt.out, ": is a directory");
+  if (opt.context_bytes < kClozeMinContextOption)
+    fail("data make-task: --context-bytes must be at least ", kClozeMinContextOption, ", got ", opt.context_bytes);
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(opt.out, ec))) {
+    if (!fs::is_regular_file(opt.out)) fail(opt.out, ": is ", path_kind(opt.out), ", not a task file");
+    if (!opt.force) fail(opt.out, ": already exists (pass --force to replace it)");
+    if (!is_cloze_task_file(opt.out))
+      fail(opt.out, ": --force replaces only a task file data make-task wrote (its first line is the {\"task\": "
+           "{\"description\": \"next-line cloze ...\"}} header), and this is not one (choose another --out)");
+  }
   const std::vector<std::string> docs = held_out_documents(opt.data_dir);
   const int64_t n_docs = int64_t(docs.size());
   if (n_docs < 2)

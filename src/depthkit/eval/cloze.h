@@ -10,6 +10,12 @@
 
 namespace depthkit {
 
+// The least --context-bytes that can yield items: a passage holds at least 100 bytes and starts at
+// a line start, so the window must also take the line it cuts into; at 300, any line of up to 200
+// bytes (the longest continuation) fits. At 100 a passage would have to start exactly 100 bytes
+// before its line, and hardly any does.
+constexpr int64_t kClozeMinContextOption = 300;
+
 struct ClozeOptions {
   std::string data_dir;  // a `depthkit data prepare` output: tokenizer.model and val shards
   std::string out;       // the task file (JSONL), written atomically

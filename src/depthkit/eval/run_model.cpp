@@ -4,6 +4,7 @@
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/fs.h"
 
 namespace depthkit {
 
@@ -12,7 +13,7 @@ RunModel::RunModel(RunModel&&) noexcept = default;
 RunModel::~RunModel() = default;
 
 RunModel load_run_model(const std::filesystem::path& run_dir, const std::string& checkpoint) {
-  if (!std::filesystem::is_directory(run_dir)) fail(run_dir.string(), ": not found (expected a run directory)");
+  require_directory(run_dir, "a run directory");
   auto dir = find_checkpoint(run_dir, checkpoint);
   if (!dir) fail(run_dir.string(), ": run has no checkpoint", checkpoint.empty() ? "" : " named " + checkpoint);
   Checkpoint ck = load_checkpoint(*dir, false);

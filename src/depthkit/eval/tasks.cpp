@@ -227,6 +227,10 @@ Task parse_lines(const std::string& text, const std::string& file, bool dev_file
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
     const Where at{file, line_no};
+    // JSON text holds no NUL byte; one here would end the parse early, and the rest of the line
+    // (another item, say) would go unread.
+    if (const size_t nul = line.find('\0'); nul != std::string::npos)
+      fail(at, ": a NUL byte at byte ", nul + 1, " of the line (JSON text holds none)");
     json j;
     try {
       j = json::parse(line);

@@ -53,9 +53,8 @@ void restore_rng_state(const std::string& hex, const std::string& source) {
 
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
                           const TrainerState& st) {
-  const fs::path tmp = dir.string() + ".tmp";
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+  TemporaryDirectory building(make_sibling_dir(dir, "tmp"));  // removed if anything below fails
+  const fs::path& tmp = building.path();
   save_safetensors((tmp / "model.safetensors").string(), model.parameters().named(),
                    {{"format", "depthkit"}, {"step", std::to_string(st.step)}});
   save_safetensors((tmp / "optimizer.safetensors").string(), optimizer);
@@ -68,13 +67,12 @@ void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const N
                       {"config", st.config_toml}};
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
   fsync_path(tmp);
-  if (fs::exists(dir)) fs::remove_all(dir);
-  try {
-    rename_durable(tmp, dir);
-  } catch (...) {
-    fs::remove_all(tmp);  // the folder this call built; the previous checkpoint stays whole
-    throw;
-  }
+  replace_directory(tmp, dir);  // the previous folder stays whole until the new one is in place
+  building.release();
+}
+
+bool is_checkpoint_file(const std::string& name) {
+  return name == "model.safetensors" || name == "optimizer.safetensors" || name == "state.json";
 }
 
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
@@ -87,8 +85,14 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
   // Keep the `keep` checkpoints of highest step number; the one `latest` names is never removed.
   std::vector<std::pair<int64_t, fs::path>> all;
   for (const auto& e : fs::directory_iterator(root)) {
-    auto step = checkpoint_step(e.path().filename().string());
+    const std::string entry = e.path().filename().string();
+    auto step = checkpoint_step(entry);
     if (step && e.is_directory() && e.path() != final_dir) all.emplace_back(*step, e.path());
+    // A folder a killed run was building ("step_N.tmp-XXXXXX") or replacing (".old-"): the run's own.
+    const size_t dot = entry.find('.');
+    if (dot != std::string::npos && checkpoint_step(entry.substr(0, dot)) && e.is_directory() &&
+        (entry.compare(dot, 5, ".tmp-") == 0 || entry.compare(dot, 5, ".old-") == 0))
+      fs::remove_all(e.path());
   }
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t i = keep > 0 ? size_t(keep - 1) : 0; i < all.size(); ++i) fs::remove_all(all[i].second);
@@ -117,7 +121,7 @@ bool holds_checkpoints(const fs::path& run_dir) {
   if (!fs::is_directory(root, ec)) return false;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string n = e.path().filename().string();
-    // A `step_N.tmp` left by a checkpoint that never completed is not a checkpoint.
+    // A `step_N.tmp-XXXXXX` left by a checkpoint that never completed is not a checkpoint.
     if (n == "latest" || (checkpoint_step(n) && e.is_directory())) return true;
   }
   return false;
@@ -150,9 +154,8 @@ fs::path resolve_checkpoint(const std::string& path) {
   fail(path, ": not a checkpoint (no state.json) nor a run directory with checkpoints");
 }
 
-Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
-  Checkpoint c;
-  c.dir = dir;
+TrainerState load_trainer_state(const fs::path& dir) {
+  TrainerState state;
   const fs::path state_path = dir / "state.json";
   const std::string where = state_path.string();
   const nlohmann::json j = nlohmann::json::parse(read_file(state_path, 64u << 20), nullptr, false);
@@ -175,22 +178,29 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
     if (!v.is_string()) fail(where, ": field '", key, "' must be a string, got a ", v.type_name());
     return v.get<std::string>();
   };
-  c.state.step = count(j, "step", "step");
-  c.state.tokens_seen = count(j, "tokens_seen", "tokens_seen");
+  state.step = count(j, "step", "step");
+  state.tokens_seen = count(j, "tokens_seen", "tokens_seen");
   const nlohmann::json& data = field(j, "data", "data");
-  c.state.data.epoch = count(data, "epoch", "data.epoch");
-  c.state.data.index = count(data, "index", "data.index");
-  c.state.seed = count(j, "seed", "seed");
-  if (j.contains("global_batch")) c.state.global_batch = count(j, "global_batch", "global_batch");
-  c.state.rng_state = text("rng_state");
-  c.state.config_toml = text("config");
-  if (!c.state.rng_state.empty()) {
-    if (c.state.rng_state.find_first_not_of("0123456789abcdef") != std::string::npos)
+  state.data.epoch = count(data, "epoch", "data.epoch");
+  state.data.index = count(data, "index", "data.index");
+  state.seed = count(j, "seed", "seed");
+  if (j.contains("global_batch")) state.global_batch = count(j, "global_batch", "global_batch");
+  state.rng_state = text("rng_state");
+  state.config_toml = text("config");
+  if (!state.rng_state.empty()) {
+    if (state.rng_state.find_first_not_of("0123456789abcdef") != std::string::npos)
       fail(where, ": field 'rng_state' is not a lower-case hex string");
     static const size_t expected = capture_rng_state().size();
-    if (c.state.rng_state.size() != expected)
-      fail(where, ": field 'rng_state' has ", c.state.rng_state.size(), " hex digits, the CPU generator's state has ", expected);
+    if (state.rng_state.size() != expected)
+      fail(where, ": field 'rng_state' has ", state.rng_state.size(), " hex digits, the CPU generator's state has ", expected);
   }
+  return state;
+}
+
+Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
+  Checkpoint c;
+  c.dir = dir;
+  c.state = load_trainer_state(dir);
   c.model = load_safetensors((dir / "model.safetensors").string());
   if (load_optimizer) c.optimizer = load_safetensors((dir / "optimizer.safetensors").string());
   return c;

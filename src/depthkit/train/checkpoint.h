@@ -36,9 +36,12 @@ struct TrainerState {
 // does not depend on the number of ranks that wrote it.
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
                          const TrainerState& state, int64_t keep);
-// Writes one checkpoint folder `dir` atomically (built as dir.tmp, then renamed over dir).
+// Writes one checkpoint folder `dir` atomically (built in a fresh "dir.tmp-XXXXXX", then renamed
+// into place; an existing `dir` is replaced only once the new one is whole).
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
                           const TrainerState& state);
+// Whether `name` is one of the files a checkpoint folder holds (what init --force may replace).
+bool is_checkpoint_file(const std::string& name);
 // The step of a checkpoint folder's name "step_NNNNNNNN"; nullopt for any other name.
 std::optional<int64_t> checkpoint_step(const std::string& name);
 // The folder name of step's checkpoint, "step_NNNNNNNN".
@@ -58,6 +61,8 @@ struct Checkpoint {
   SafetensorsFile optimizer;  // empty unless load_optimizer
 };
 Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer);
+// A checkpoint's state.json alone (checked as load_checkpoint checks it), without its tensors.
+TrainerState load_trainer_state(const fs::path& dir);
 
 std::string capture_rng_state();
 void restore_rng_state(const std::string& hex, const std::string& source);

@@ -110,6 +110,7 @@ void check_data_meta(const Config& cfg) {
 }
 
 Config load_run_config(const fs::path& run_dir, const std::vector<std::string>& overrides) {
+  require_directory(run_dir, "a run directory");
   const fs::path p = run_dir / "config.toml";
   if (!fs::exists(p)) fail(p.string(), ": not found (is '", run_dir.string(), "' a run directory?)");
   return Config::load(p.string(), overrides);
@@ -124,6 +125,89 @@ std::string process_group_backend(const TrainConfig& train) {
 
 namespace {
 
+// What a job starts from that can be found wrong without a lock and without writing: a fresh run
+// into a directory with checkpoints, a resume without one, the device, the data (meta.json, the
+// shards, the evaluation windows' ids against the vocabulary).
+struct StartInputs {
+  at::Device device;
+  TokenDataset train_data, val_data;
+  std::vector<at::Tensor> val_batches;
+};
+
+StartInputs open_start_inputs(const TrainOptions& opt, int64_t local_rank) {
+  const Config& cfg = opt.config;
+  if (!opt.resume && holds_checkpoints(opt.run_dir))  // checked again under the run directory's lock
+    fail(opt.run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+  // The model's device: the CPU, or this rank's GPU (LOCAL_RANK) for train.device = "cuda".
+  const at::Device device = resolve_device(cfg.train.device, local_rank);
+  check_data_meta(cfg);
+  TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
+  TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
+  auto val_batches = eval_batches(val_data, cfg.train.micro_batch, cfg.model.seq_len, cfg.train.eval_tokens);
+  if (opt.resume && !find_checkpoint(opt.run_dir))
+    fail(opt.run_dir.string(), ": --resume given but the run has no checkpoint");
+  return {device, std::move(train_data), std::move(val_data), std::move(val_batches)};
+}
+
+// A resumed run's checkpoint against the job that resumes it: the seed, the data position, and the
+// global batch (ranks x grad_accum x micro_batch), which fixes every step's gradient. Returns
+// whether the run is already complete (nothing to train).
+bool check_resume(const TrainOptions& opt, const TrainerState& state, const fs::path& checkpoint_dir,
+                  const TokenDataset& train_data, int64_t ranks) {
+  const Config& cfg = opt.config;
+  const std::string state_path = (checkpoint_dir / "state.json").string();
+  if (state.seed != cfg.train.seed)
+    fail(opt.run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", state.seed);
+  if (state.data.index > train_data.windows(cfg.model.seq_len))
+    fail(state_path, ": field 'data.index' (", state.data.index, ") exceeds the ", train_data.windows(cfg.model.seq_len),
+         " windows of the training split");
+  // Nothing left to train: report it and leave every file of the run as it is. (Without a
+  // summary of this step the run died between its final checkpoint and its summary: that
+  // is finished by the run.)
+  const bool complete = state.step >= cfg.total_steps(ranks) && summary_step(opt.run_dir) == state.step;
+  const int64_t global_batch = ranks * cfg.train.grad_accum * cfg.train.micro_batch;
+  if (!complete && state.global_batch != 0 && state.global_batch != global_batch) {
+    const int64_t per_rank = ranks * cfg.train.micro_batch;
+    fail(state_path, ": the run was trained with a global batch of ", state.global_batch, " sequences a step; ", ranks,
+         " ranks x train.grad_accum ", cfg.train.grad_accum, " x train.micro_batch ", cfg.train.micro_batch, " make ",
+         global_batch,
+         state.global_batch % per_rank == 0 ? cat(" (resume it with --set train.grad_accum=", state.global_batch / per_rank, ")")
+                                            : std::string(" (keep the product of the three)"));
+  }
+  return complete;
+}
+
+// A 64-bit FNV-1a hash in hex: fingerprints compared across ranks, not a defence against forgery.
+std::string fingerprint(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
+  return hex;
+}
+
+// What every rank must start from alike, beyond the config: the data (meta.json and each shard's
+// name and token count; data.dir itself may differ between machines) and, when resuming, the
+// checkpoint (its state.json).
+World::Facts data_facts(const Config& cfg, const TokenDataset& train_data, const TokenDataset& val_data) {
+  std::string listing;
+  const fs::path meta = fs::path(cfg.data.dir) / "meta.json";
+  if (fs::is_regular_file(meta)) listing = read_file(meta, 64u << 20);
+  for (const TokenDataset* split : {&train_data, &val_data})
+    for (const Shard& s : split->shards()) listing += cat("\n", fs::path(s.path()).filename().string(), " ", s.size());
+  return {{"data (meta.json, shard names and sizes)", fingerprint(listing)}};
+}
+
+// The resolved config, key by key, as every rank must have it: all but data.dir (the data is
+// compared by content, and may sit elsewhere on another machine) and train.threads (a rank's own
+// share of its machine).
+World::Facts config_facts(const Config& cfg) {
+  World::Facts facts;
+  for (auto& [key, value] : cfg.values())
+    if (key != "data.dir" && key != "train.threads") facts.emplace_back(key, value);
+  return facts;
+}
+
 // One rank's part of the job (all of it in a job of one).
 TrainResult train_rank(const TrainOptions& opt, World& world) {
   Config cfg = opt.config;
@@ -137,16 +221,10 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
   const int64_t total = cfg.total_steps(ranks);
   const int64_t T = cfg.model.seq_len;
   const int64_t global_batch = ranks * cfg.train.grad_accum * cfg.train.micro_batch;
-  if (!opt.resume && holds_checkpoints(run_dir))  // checked again under the run directory's lock
-    fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
-  // The model's device: the CPU, or this rank's GPU (LOCAL_RANK) for train.device = "cuda".
-  const at::Device device = resolve_device(cfg.train.device, opt.launch.local_rank);
-  check_data_meta(cfg);
-  TokenDataset train_data(cfg.data.dir, "train", cfg.model.vocab_size);
-  TokenDataset val_data(cfg.data.dir, "val", cfg.model.vocab_size);
-  auto val_batches = eval_batches(val_data, cfg.train.micro_batch, T, cfg.train.eval_tokens);
-  if (opt.resume && !find_checkpoint(run_dir))
-    fail(run_dir.string(), ": --resume given but the run has no checkpoint");
+  StartInputs inputs = open_start_inputs(opt, opt.launch.local_rank);
+  const at::Device device = inputs.device;
+  const TokenDataset& train_data = inputs.train_data;
+  const auto& val_batches = inputs.val_batches;
 
   // One process at a time owns a run directory (its lock): rank 0. A fresh run creates it.
   std::error_code ec;
@@ -165,27 +243,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       } else if (holds_checkpoints(run_dir)) {
         fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
       }
-      if (ckpt) {
-        const std::string state_path = (ckpt->dir / "state.json").string();
-        if (ckpt->state.seed != cfg.train.seed)
-          fail(run_dir.string(), ": train.seed ", cfg.train.seed, " differs from the checkpoint's seed ", ckpt->state.seed);
-        if (ckpt->state.data.index > train_data.windows(T))
-          fail(state_path, ": field 'data.index' (", ckpt->state.data.index, ") exceeds the ",
-               train_data.windows(T), " windows of the training split");
-        // Nothing left to train: report it and leave every file of the run as it is. (Without a
-        // summary of this step the run died between its final checkpoint and its summary: that
-        // is finished below.)
-        complete = ckpt->state.step >= total && summary_step(run_dir) == ckpt->state.step;
-        const int64_t saved_batch = ckpt->state.global_batch;
-        if (!complete && saved_batch != 0 && saved_batch != global_batch) {
-          const int64_t per_rank = ranks * cfg.train.micro_batch;
-          fail(state_path, ": the run was trained with a global batch of ", saved_batch, " sequences a step; ", ranks,
-               " ranks x train.grad_accum ", cfg.train.grad_accum, " x train.micro_batch ", cfg.train.micro_batch,
-               " make ", global_batch,
-               saved_batch % per_rank == 0 ? cat(" (resume it with --set train.grad_accum=", saved_batch / per_rank, ")")
-                                           : std::string(" (keep the product of the three)"));
-        }
-      }
+      if (ckpt) complete = check_resume(opt, ckpt->state, ckpt->dir, train_data, ranks);
     } catch (...) {
       error = std::current_exception();
     }
@@ -202,7 +260,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
   }
   try {
-    world.agree(!error, "start-up");
+    world.agree(!error, "start-up", error ? World::Facts{} : data_facts(cfg, train_data, inputs.val_data));
     if (error) std::rethrow_exception(error);
     // Every rank resumes from the checkpoint rank 0 chose under the lock.
     at::Tensor chosen = at::empty({2}, at::kLong);
@@ -243,7 +301,10 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
     } catch (...) {
       error = std::current_exception();
     }
-    world.agree(!error, "start-up");
+    // Every rank loaded the same checkpoint (rank 0's choice, by name; its bytes the same).
+    World::Facts loaded;
+    if (ckpt && !error) loaded = {{"checkpoint (state.json)", fingerprint(read_file(ckpt->dir / "state.json", 64u << 20))}};
+    world.agree(!error, "start-up", loaded);
     if (error) std::rethrow_exception(error);
     Transformer& model = *model_slot;
     AdamW& optim = *optim_slot;
@@ -460,13 +521,25 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
 
 }  // namespace
 
+void check_job_start(const TrainOptions& opt, int64_t ranks) {
+  process_group_backend(opt.config.train);
+  // Every rank is local: the last one needs the most GPUs.
+  const StartInputs inputs = open_start_inputs(opt, ranks - 1);
+  Transformer::check_fits_in_memory(opt.config.model, opt.config.residual, 16, "training the model");
+  if (fs::is_directory(opt.run_dir)) DirectoryLock probe(opt.run_dir);  // taken and let go: is it free?
+  if (opt.resume) {
+    const fs::path dir = *find_checkpoint(opt.run_dir);
+    check_resume(opt, load_trainer_state(dir), dir, inputs.train_data, ranks);
+  }
+}
+
 TrainResult train(const TrainOptions& opt) {
   const LaunchEnv& launch = opt.launch;
   if (launch.world_size == 1) {
     World one;
     return train_rank(opt, one);
   }
-  World world(launch, process_group_backend(opt.config.train), opt.config.train.timeout_s);
+  World world(launch, process_group_backend(opt.config.train), opt.config.train.timeout_s, config_facts(opt.config));
   try {
     return train_rank(opt, world);
   } catch (...) {

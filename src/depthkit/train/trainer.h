@@ -36,6 +36,12 @@ struct TrainResult {
 // metrics, checkpoints, summary) and prints progress.
 TrainResult train(const TrainOptions& opt);
 
+// Checks, before a launcher (--nproc) starts `ranks` ranks, what every rank would otherwise find
+// wrong alike (and each report): the backend, the device, the data, the memory, a fresh run into
+// a directory with checkpoints, a run directory another run holds, and a resume's checkpoint
+// against the job (seed, data position, global batch). Writes nothing.
+void check_job_start(const TrainOptions& opt, int64_t ranks);
+
 // The c10d backend train.backend names on train.device ("auto": nccl on cuda, gloo on cpu).
 std::string process_group_backend(const TrainConfig& train);
 

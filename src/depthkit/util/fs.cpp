@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -35,12 +36,19 @@ AtomicFile::AtomicFile(const fs::path& path) : path_(path) {
   fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
   std::error_code ec;
   if (fs::is_directory(path, ec)) fail(path.string(), ": is a directory, expected a file path to write");
+  // The rename at commit() would put a regular file in place of a device or FIFO (/dev/null, for
+  // one, when run as root): only a regular file, or nothing, is replaced.
+  if (const fs::file_status st = fs::status(path, ec); fs::exists(st) && !fs::is_regular_file(st))
+    fail(path.string(), ": is ", path_kind(path), ", not a regular file to write");
   fs::create_directories(dir, ec);
   if (ec) fail(dir.string(), ": cannot create directory: ", ec.message());
+  // A name nobody has (O_EXCL): a file that happens to have it is never overwritten.
   std::random_device rd;
-  tmp_ = dir / (path.filename().string() + ".tmp" + std::to_string(rd() % 1000000));
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) fail(tmp_.string(), ": cannot create: ", std::strerror(errno));
+  for (int attempt = 0; fd_ < 0; ++attempt) {
+    tmp_ = dir / (path.filename().string() + ".tmp" + std::to_string(rd() % 1000000));
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0 && (errno != EEXIST || attempt == 100)) fail(tmp_.string(), ": cannot create: ", std::strerror(errno));
+  }
 }
 
 AtomicFile::~AtomicFile() {
@@ -103,6 +111,83 @@ std::string read_file(const fs::path& path, uintmax_t max_bytes) {
   in.read(out.data(), std::streamsize(size));
   if (in.gcount() != std::streamsize(size)) fail(path.string(), ": changed size while being read");
   return out;
+}
+
+bool is_within(const fs::path& inner, const fs::path& outer) {
+  std::error_code ec;
+  const fs::path a = fs::weakly_canonical(fs::absolute(inner, ec), ec);
+  const fs::path b = fs::weakly_canonical(fs::absolute(outer, ec), ec);
+  const fs::path rel = a.lexically_relative(b);
+  return !rel.empty() && *rel.begin() != "..";
+}
+
+fs::path make_sibling_dir(const fs::path& path, const std::string& tag) {
+  const fs::path target = path.has_filename() ? path : path.parent_path();  // "out/" names "out"
+  const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec) fail(parent.string(), ": cannot create directory: ", ec.message());
+  std::string name = (parent / (target.filename().string() + "." + tag + "-XXXXXX")).string();
+  if (!::mkdtemp(name.data())) fail(name, ": cannot create a directory: ", std::strerror(errno));
+  return name;
+}
+
+void check_only_owned(const fs::path& dir, const std::function<bool(const std::string&)>& owned, const std::string& what) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!owned(name))
+      fail(dir.string(), ": --force replaces only ", what, ", and '", printable(name),
+           "' is not part of it (move it away, or choose another output)");
+  }
+  if (ec) fail(dir.string(), ": cannot list: ", ec.message());
+}
+
+void replace_directory(const fs::path& built, const fs::path& out) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(out, ec))) {
+    rename_durable(built, out);
+    return;
+  }
+  // rename(2) puts a directory over an empty one: the fresh name takes the old output.
+  const fs::path old = make_sibling_dir(out, "old");
+  rename_durable(out, old);
+  try {
+    rename_durable(built, out);
+  } catch (...) {
+    rename_durable(old, out);  // put the old one back
+    throw;
+  }
+  fs::remove_all(old, ec);
+}
+
+TemporaryDirectory::~TemporaryDirectory() {
+  std::error_code ec;
+  if (!dir_.empty()) fs::remove_all(dir_, ec);
+}
+
+std::string path_kind(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  switch (st.type()) {
+    case fs::file_type::regular: return "a regular file";
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::not_found:
+      return fs::is_symlink(fs::symlink_status(path, ec)) ? "a symbolic link to nothing" : "nothing";
+    default: return "an unreadable entry";
+  }
+}
+
+void require_directory(const fs::path& path, const std::string& role) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return;
+  const std::string kind = path_kind(path);
+  if (kind == "nothing") fail(path.string(), ": not found (expected ", role, ")");
+  fail(path.string(), ": is ", kind, ", not ", role);
 }
 
 namespace {

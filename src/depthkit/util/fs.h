@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -38,6 +39,45 @@ constexpr uintmax_t kMaxReadBytes = uintmax_t(1) << 30;
 std::string read_file(const fs::path& path, uintmax_t max_bytes = kMaxReadBytes);
 // The size of a regular file, with the same checks as read_file (`what` names its role).
 uintmax_t regular_file_size(const fs::path& path, uintmax_t max_bytes = UINTMAX_MAX);
+
+// What is at `path`, for messages: "a regular file", "a directory", "a FIFO", "a socket", "a
+// character device", "a block device", "a symbolic link to nothing", or "nothing".
+std::string path_kind(const fs::path& path);
+// Refuses anything but an existing directory at `path`, in one line naming it and what is there
+// instead; `role` is what it should be ("a run directory").
+void require_directory(const fs::path& path, const std::string& role);
+
+// Whether `inner` is `outer` or lies below it, by their absolute, normalised paths (symbolic
+// links resolved where they exist).
+bool is_within(const fs::path& inner, const fs::path& outer);
+
+// Replacing a directory depthkit wrote (--force) without touching anything else:
+//
+// A new, empty directory beside `path`, "<path>.<tag>-XXXXXX" (mkdtemp: a name nobody had), in
+// which a replacement is built; its parent is created if need be.
+fs::path make_sibling_dir(const fs::path& path, const std::string& tag);
+// Refuses, naming the first other entry, unless everything directly in the directory `dir` is a
+// name `owned` accepts: what a command's --force may remove is only what it wrote (`what`: "data
+// prepare's output"). Subdirectories are entries too.
+void check_only_owned(const fs::path& dir, const std::function<bool(const std::string&)>& owned, const std::string& what);
+// Puts the finished directory `built` at `out`: an existing `out` (checked with check_only_owned
+// by the caller) is first renamed aside to a fresh sibling name, then removed once `built` is in
+// place, so a crash leaves either the old directory or the new one at `out`.
+void replace_directory(const fs::path& built, const fs::path& out);
+// Removes a directory this process made (make_sibling_dir) when it goes out of scope, unless
+// release() was called: a failed command leaves nothing half-written behind.
+class TemporaryDirectory {
+ public:
+  explicit TemporaryDirectory(fs::path dir) : dir_(std::move(dir)) {}
+  ~TemporaryDirectory();
+  TemporaryDirectory(const TemporaryDirectory&) = delete;
+  TemporaryDirectory& operator=(const TemporaryDirectory&) = delete;
+  const fs::path& path() const { return dir_; }
+  void release() { dir_.clear(); }
+
+ private:
+  fs::path dir_;
+};
 
 // An exclusive flock(2) on a directory for this object's life: one process at a time may own a
 // run directory. The lock is on the directory itself, so taking it writes nothing there, and the

@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 
 #include "depthkit/util/error.h"
 
@@ -19,6 +20,14 @@ void pass_on(int sig) {
   if (g_child > 0) kill(g_child, sig);
 }
 }  // namespace
+
+std::string depthkit_program() {
+  if (const char* program = std::getenv("DEPTHKIT_PROGRAM"); program && *program) return program;
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) fail("/proc/self/exe: cannot find this program (", ec.message(), ")");
+  return self.string();
+}
 
 ChildResult run_program(const std::vector<std::string>& args, const std::vector<std::pair<std::string, std::string>>& env) {
   if (args.empty()) fail("run_program: no program given");

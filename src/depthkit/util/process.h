@@ -17,4 +17,9 @@ struct ChildResult {
 ChildResult run_program(const std::vector<std::string>& argv,
                         const std::vector<std::pair<std::string, std::string>>& env = {});
 
+// The depthkit program that commands run again (compare's runs, train --nproc's ranks): this
+// process's own executable, unless $DEPTHKIT_PROGRAM names another (a program that runs depthkit's
+// commands in-process, as its fuzz tests do, is not depthkit itself).
+std::string depthkit_program();
+
 }  // namespace depthkit
