@@ -55,15 +55,26 @@ mkdir -p bigvocab && cp "$SRC/tests/cli_errors.sh" bigvocab/dummy && printf '{"v
 expect_error "meta.json: vocab_size 9000 exceeds model.vocab_size 4096" -- train --config "$SRC/configs/tiny.toml" --set data.dir=bigvocab --run-dir run3
 expect_error "nowhere: not found (expected a run directory)" -- eval --run-dir nowhere
 expect_error "README.md: is a regular file, not a run directory" -- eval --run-dir "$SRC/README.md"
-# Issue 30: numbers parsed whole and range checked, in one place; integers printed as integers.
-expect_error "--temperature='' must be a finite number >= 0" -- generate --run-dir nowhere --prompt x --temperature ''
-expect_error "--seed='-1' must be an integer >= 0" -- generate --run-dir nowhere --prompt x --seed -1
-expect_error "--limit='9223372036854775808' must be an integer >= 1" -- eval --run-dir nowhere --task t.jsonl --limit 9223372036854775808
-expect_error "--decode: an empty value" -- bench --config "$SRC/configs/tiny.toml" --decode ''
-expect_error "--kinds: an empty value" -- bench --config "$SRC/configs/tiny.toml" --kinds ''
+# Issue 30: numbers parsed whole and range checked, in one place (bad usage: exit 2); integers
+# printed as integers.
+expect_usage() {  # expect_usage EXPECTED_SUBSTRING -- ARGS...: as expect_error, and the exit is 2
+  local before=$failures rc
+  expect_error "$@"
+  shift 2; "$DK" "$@" >/dev/null 2>&1; rc=$?
+  [ $failures = "$before" ] && [ $rc != 2 ] && { echo "FAIL: depthkit $* exited $rc, expected 2"; failures=$((failures + 1)); }
+  return 0
+}
+expect_usage "--temperature='' must be a finite number >= 0" -- generate --run-dir nowhere --prompt x --temperature ''
+expect_usage "--seed='-1' must be an integer >= 0" -- generate --run-dir nowhere --prompt x --seed -1
+expect_usage "--top-p='0' must be a finite number in (0, 1]" -- generate --run-dir nowhere --prompt x --top-p 0
+expect_usage "--val-fraction='1' must be a finite number in (0, 1)" -- data prepare --input x --out y --val-fraction 1
+expect_usage "--limit='9223372036854775808' must be an integer >= 1" -- eval --run-dir nowhere --task t.jsonl --limit 9223372036854775808
+expect_usage "--decode: an empty value" -- bench --config "$SRC/configs/tiny.toml" --decode ''
+expect_usage "--kinds: an empty value" -- bench --config "$SRC/configs/tiny.toml" --kinds ''
+expect_usage "--context-bytes='100' must be an integer in [300, 1048576]" -- data make-task --data nowhere --out t.jsonl --context-bytes 100
+expect_usage "--nope" -- train --nope
 expect_error "--decode='99999999999' must be an integer in [2, 16777216]" -- bench --config "$SRC/configs/tiny.toml" --decode 99999999999
 expect_error "'moe.expert_d_ff' must be in [0, 4194304], got 4194305" -- params --config "$SRC/configs/tiny-moe.toml" --set moe.expert_d_ff=4194305
-expect_error "--context-bytes='100' must be an integer in [300, 1048576]" -- data make-task --data nowhere --out t.jsonl --context-bytes 100
 expect_error "--resume needs --run-dir" -- train --resume
 expect_error "--run-dir"               -- eval --json
 

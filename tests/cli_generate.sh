@@ -56,7 +56,7 @@ expect "exactly one of --prompt and --prompt-file" -- generate --run-dir run-msa
 expect "exactly one of --prompt and --prompt-file" -- generate --run-dir run-msar --prompt a --prompt-file greedy.txt
 expect "missing.txt"                               -- generate --run-dir run-msar --prompt-file missing.txt
 expect "--temperature='-1' must be a finite number >= 0" -- generate --run-dir run-msar --prompt a --temperature -1
-expect "--top-p='1.5' must be a finite number in [0, 1]" -- generate --run-dir run-msar --prompt a --top-p 1.5
+expect "--top-p='1.5' must be a finite number in (0, 1]" -- generate --run-dir run-msar --prompt a --top-p 1.5
 expect "more than the model's context, model.seq_len 64" -- generate --run-dir run-msar --prompt "$(head -c 4000 /usr/share/doc/python3.11/html/_sources/tutorial/classes.rst.txt)"
 expect "tokenizer.model: not found"                -- generate --run-dir run-msar --prompt a --data .
 expect "--decode='x' must be an integer in [2, 16777216]" -- bench --config "$SRC/configs/tiny.toml" --decode 64,x

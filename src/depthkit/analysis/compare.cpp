@@ -19,6 +19,7 @@
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/hash.h"
 #include "depthkit/util/process.h"
 
 namespace depthkit {
@@ -118,13 +119,7 @@ nlohmann::json mean_series(const std::string& label, const std::map<int64_t, std
 }
 
 // A 64-bit FNV-1a hash of a file's bytes, in hex: a kept task result is reused only for the same file.
-std::string content_hash(const fs::path& file) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : read_file(file)) h = (h ^ c) * 0x100000001b3ull;
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
-  return buf;
-}
+std::string content_hash(const fs::path& file) { return fingerprint(read_file(file)); }
 
 // Scores each task on the final checkpoint of every run and seed, keeping each result in
 // OUT/tasks/<run>-seed<s>.<k>.<task>.json (k: its place in the spec); returns, per task in the

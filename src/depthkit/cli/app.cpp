@@ -50,6 +50,7 @@ int run(int argc, char** argv) {
   // A failed check inside LibTorch (an allocation that fails, for one) must throw, so that the
   // boundary below reports it in one line; with this flag set it aborts the process instead.
   FLAGS_caffe2_use_fatal_for_enforce = false;
+  adopt_launcher_report_pipe();  // a rank of `train --nproc`: its errors go to the launcher
   // c10d and Gloo log socket retries, timeouts and failed connections as errors, with stack
   // traces, on stderr; depthkit reports a failed rendezvous or collective itself, in one line
   // that names the rank or variable at fault. Only fatal messages pass, unless

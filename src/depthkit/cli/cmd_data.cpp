@@ -19,7 +19,8 @@ void add_data(CLI::App& app, Action& action) {
       ->expected(1, -1);
   prep->add_option("--out", opt->out_dir, "output directory")->required();
   add_number(prep, "--vocab-size", opt->vocab_size, 300, 1 << 20, "BPE vocabulary size");
-  add_number(prep, "--val-fraction", opt->val_fraction, 0.0, 1.0, "share of documents held out for validation");
+  add_number(prep, "--val-fraction", opt->val_fraction, 0.0, 1.0, "share of documents held out for validation",
+             Bound::open, Bound::open);
   add_number(prep, "--seed", opt->seed, 0, UINT64_MAX, "seed of the train/val split");
   prep->add_option("--tokenizer", opt->tokenizer, "use this SentencePiece model instead of training one")
       ->check(CLI::ExistingFile);

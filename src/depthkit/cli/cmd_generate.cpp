@@ -123,8 +123,8 @@ void add_generate(CLI::App& app, Action& action) {
   add_number(cmd, "--temperature", a->sampling.temperature, 0.0, std::numeric_limits<double>::infinity(),
              "sampling temperature; 0 is greedy (default 1)");
   add_number(cmd, "--top-k", a->sampling.top_k, 0, INT64_MAX, "sample among the k most likely ids; 0: all (default 0)");
-  add_number(cmd, "--top-p", a->sampling.top_p, 0.0, 1.0,
-             "sample among the most likely ids of this much mass, in (0, 1] (default 1)");
+  add_number(cmd, "--top-p", a->sampling.top_p, 0.0, 1.0, "sample among the most likely ids of this much mass (default 1)",
+             Bound::open);
   add_number(cmd, "--seed", a->sampling.seed, 0, UINT64_MAX, "the sampler's seed (default 0)");
   cmd->add_flag("--json", a->json, "print one JSON object (text, counts, tokens/s) instead of streaming the text");
   cmd->callback([&action, a] { action = [a] { return run_generate(*a); }; });

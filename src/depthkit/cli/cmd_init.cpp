@@ -26,11 +26,12 @@ void add_init(CLI::App& app, Action& action) {
   cmd->callback([&action, a] {
     action = [a] {
       Config cfg = Config::load(a->config, a->sets);
+      const fs::path out = output_directory(a->out, "--out");
       std::error_code ec;
-      if (fs::exists(fs::symlink_status(a->out, ec))) {
-        if (!fs::is_directory(a->out)) fail(a->out, ": is ", path_kind(a->out), ", not a checkpoint folder");
-        if (!a->force) fail(a->out, ": already exists (pass --force to replace it)");
-        check_only_owned(a->out, is_checkpoint_file,
+      if (fs::exists(fs::symlink_status(out, ec))) {
+        if (!fs::is_directory(out)) fail(out.string(), ": is ", path_kind(out), ", not a checkpoint folder");
+        if (!a->force) fail(out.string(), ": already exists (pass --force to replace it)");
+        check_only_owned(out, is_checkpoint_file,
                          "a checkpoint folder (model.safetensors, optimizer.safetensors, state.json)");
       }
       Transformer model(cfg.model, cfg.residual, at::kCPU, uint64_t(cfg.train.seed));
@@ -38,7 +39,7 @@ void add_init(CLI::App& app, Action& action) {
       TrainerState st;
       st.seed = cfg.train.seed;
       st.config_toml = cfg.to_toml();
-      write_checkpoint_dir(a->out, model, opt.state(), st);
+      write_checkpoint_dir(out, model, opt.state(), st);
       std::printf("wrote %s: %s, %lld parameters\n", a->out.c_str(), cfg.residual.kind.c_str(),
                   (long long)model.count().total);
       return 0;

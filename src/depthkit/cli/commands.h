@@ -4,6 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 
+#include "depthkit/util/numbers.h"
+
 namespace depthkit::cli {
 
 using Action = std::function<int()>;
@@ -34,7 +36,7 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, int& target, int
 CLI::Option* add_number(CLI::App* cmd, const std::string& name, uint64_t& target, uint64_t lo, uint64_t hi,
                         const std::string& help);
 CLI::Option* add_number(CLI::App* cmd, const std::string& name, double& target, double lo, double hi,
-                        const std::string& help);
+                        const std::string& help, Bound lo_bound = Bound::closed, Bound hi_bound = Bound::closed);
 
 // --set section.key=value, repeatable.
 inline CLI::Option* add_set_option(CLI::App* cmd, std::vector<std::string>& sets) {

@@ -48,9 +48,10 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, uint64_t& target
 }
 
 CLI::Option* add_number(CLI::App* cmd, const std::string& name, double& target, double lo, double hi,
-                        const std::string& help) {
-  return add_parsed(cmd, name, target, help, "FLOAT " + range_text(lo, hi, std::numeric_limits<double>::infinity()),
-                    [=](const std::string& s) { return parse_real(s, lo, hi, name); });
+                        const std::string& help, Bound lo_bound, Bound hi_bound) {
+  return add_parsed(cmd, name, target, help,
+                    "FLOAT " + range_text(lo, hi, std::numeric_limits<double>::infinity(), lo_bound, hi_bound),
+                    [=](const std::string& s) { return parse_real(s, lo, hi, name, lo_bound, hi_bound); });
 }
 
 }  // namespace depthkit::cli

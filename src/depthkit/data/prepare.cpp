@@ -77,26 +77,21 @@ void check_output_apart(const fs::path& out, const std::vector<std::string>& inp
 }
 
 // What data prepare writes into its output directory: meta.json, tokenizer.model and the shards
-// meta.json lists. --force replaces a directory that holds nothing else.
-void check_replaceable_output(const fs::path& out) {
+// meta.json lists (for a directory without such a meta.json, nothing). --force replaces a
+// directory that holds nothing else.
+std::set<std::string> prepared_files(const fs::path& out) {
   const fs::path meta_path = out / "meta.json";
-  std::set<std::string> ours = {"meta.json", "tokenizer.model"};
-  std::error_code ec;
-  if (!fs::is_empty(out, ec)) {
-    nlohmann::json meta;
-    if (fs::is_regular_file(meta_path))
-      meta = nlohmann::json::parse(read_file(meta_path, 64u << 20), nullptr, false);
-    if (!meta.is_object() || meta.value("format", "") != "llm.c token shards" || !meta.contains("splits") ||
-        !meta["splits"].is_object())
-      fail(out.string(), ": --force replaces only a directory that data prepare wrote, and it has no meta.json of "
-           "data prepare's (choose another --out, or empty it yourself)");
-    for (const auto& [split, info] : meta["splits"].items())
-      if (info.is_object() && info.contains("shards") && info["shards"].is_array())
-        for (const auto& name : info["shards"])
-          if (name.is_string()) ours.insert(name.get<std::string>());
-  }
-  check_only_owned(out, [&](const std::string& name) { return ours.count(name) > 0; },
-                   "what data prepare wrote there (meta.json, tokenizer.model and the shards meta.json lists)");
+  nlohmann::json meta;
+  if (fs::is_regular_file(meta_path)) meta = nlohmann::json::parse(read_file(meta_path, 64u << 20), nullptr, false);
+  const bool ours = meta.is_object() && meta.contains("format") && meta["format"] == "llm.c token shards" &&
+                    meta.contains("splits") && meta["splits"].is_object();
+  if (!ours) return {};
+  std::set<std::string> files = {"meta.json", "tokenizer.model"};
+  for (const auto& [split, info] : meta["splits"].items())
+    if (info.is_object() && info.contains("shards") && info["shards"].is_array())
+      for (const auto& name : info["shards"])
+        if (name.is_string()) files.insert(name.get<std::string>());
+  return files;
 }
 
 // Writes one split's tokens as shards of at most shard_tokens; returns the shard names.
@@ -122,14 +117,21 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   if (!(opt.val_fraction > 0 && opt.val_fraction < 1))
     fail("--val-fraction must be in (0, 1), got ", opt.val_fraction);
   if (opt.shard_tokens < 1024) fail("--shard-tokens must be >= 1024, got ", opt.shard_tokens);
-  const fs::path out(opt.out_dir);
+  const fs::path out = output_directory(opt.out_dir, "--out");
   check_output_apart(out, opt.inputs);
   std::error_code ec;
+  std::set<std::string> replaced;  // what --force may remove from an existing output
   if (fs::exists(fs::symlink_status(out, ec))) {
     if (!fs::is_directory(out)) fail(out.string(), ": is ", path_kind(out), ", not an output directory");
     if (!opt.force) fail(out.string(), ": output directory already exists (pass --force to replace it)");
-    check_replaceable_output(out);
+    replaced = prepared_files(out);
+    if (replaced.empty() && !fs::is_empty(out, ec))
+      fail(out.string(), ": --force replaces only a directory that data prepare wrote, and it has no meta.json of "
+           "data prepare's (choose another --out, or empty it yourself)");
   }
+  const OwnedNames owned = [&](const std::string& name) { return replaced.count(name) > 0; };
+  if (!replaced.empty())
+    check_only_owned(out, owned, "what data prepare wrote there (meta.json, tokenizer.model and the shards meta.json lists)");
 
   auto paths = list_documents(opt.inputs);
   std::vector<std::string> texts;
@@ -231,7 +233,7 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   }
   write_file_atomic(partial / "meta.json", meta.dump(2) + "\n");
   fsync_path(partial);
-  replace_directory(partial, out);
+  replace_directory(partial, out, owned);
   building.release();
   return r;
 }

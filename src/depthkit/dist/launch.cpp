@@ -1,6 +1,8 @@
 #include "depthkit/dist/launch.h"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +26,7 @@
 
 #include "depthkit/dist/world.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 #include "depthkit/util/process.h"
 
 extern "C" char** environ;
@@ -38,6 +41,8 @@ constexpr const char* kReportFd = "DEPTHKIT_REPORT_FD";
 pid_t g_ranks[kMaxRanks];
 std::atomic<int> g_rank_count{0};
 volatile sig_atomic_t g_signals = 0;
+volatile sig_atomic_t g_forwarded = 0;  // the first signal passed on to the ranks
+int g_report_fd = -1;  // in a rank: the pipe to its launcher (adopt_launcher_report_pipe)
 
 // The first SIGINT/SIGTERM is passed on (each rank checkpoints and stops at the same step); a
 // second one, for a job that does not stop (ranks blocked in a rendezvous or a hung collective),
@@ -45,6 +50,7 @@ volatile sig_atomic_t g_signals = 0;
 void pass_on(int sig) {
   const int count = g_signals + 1;
   g_signals = count;
+  if (count == 1) g_forwarded = sig;
   const int send = count > 1 ? SIGKILL : sig;
   for (int i = 0; i < g_rank_count.load(); ++i)
     if (g_ranks[i] > 0) kill(g_ranks[i], send);
@@ -55,11 +61,11 @@ int exit_status(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status
 // How one rank ended, and what it reported.
 struct RankEnd {
   int status = 0;              // as waitpid gives it
-  bool killed_by_us = false;   // ended by the launcher after the grace period
+  bool killed_by_us = false;   // ended by a signal the launcher sent
   std::string kind, line;      // its report: "cause" or "consequence", and the one line
 };
 
-// Everything a rank wrote to its report pipe (the write ends are closed: it has ended).
+// What a rank wrote to its report pipe (non-blocking: read after the rank has ended).
 std::string drain(int fd) {
   std::string out;
   char buf[4096];
@@ -94,22 +100,31 @@ std::string job_error(const std::vector<RankEnd>& ends) {
 
 }  // namespace
 
-bool report_to_launcher(const std::exception& error, const std::string& line) {
-  const char* fd_text = std::getenv(kReportFd);
-  if (!fd_text || !*fd_text) return false;
-  char* end = nullptr;
-  const long fd = std::strtol(fd_text, &end, 10);
-  if (*end != '\0' || fd < 3 || fd > INT32_MAX) return false;
-  // A pipe holds 64 KiB before a write blocks: the line is cut well below.
-  std::string report = cat(dynamic_cast<const JobStopped*>(&error) ? "consequence " : "cause ", line.substr(0, 16384), "\n");
-  size_t done = 0;
-  while (done < report.size()) {
-    const ssize_t n = ::write(int(fd), report.data() + done, report.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;  // the launcher is gone: say it here
-    done += size_t(n);
+void adopt_launcher_report_pipe() {
+  const char* text = std::getenv(kReportFd);
+  if (!text) return;
+  const std::string given = text;
+  ::unsetenv(kReportFd);  // for this process only: nothing it starts inherits the pipe
+  try {
+    g_report_fd = int(parse_int(given, 3, INT32_MAX, kReportFd));
+  } catch (const Error&) {
+    return;
   }
-  return true;
+  if (::fcntl(g_report_fd, F_SETFD, FD_CLOEXEC) != 0) g_report_fd = -1;
+  std::signal(SIGPIPE, SIG_IGN);  // a launcher gone: the write fails, and the line is printed here
+}
+
+bool report_to_launcher(const std::exception& error, const std::string& line) {
+  if (g_report_fd < 0) return false;
+  // One write of at most PIPE_BUF bytes into a pipe only this process writes to: it never blocks,
+  // whatever the pipe's capacity, and arrives whole.
+  std::string report = cat(dynamic_cast<const JobStopped*>(&error) ? "consequence " : "cause ", line);
+  report.resize(std::min<size_t>(report.size(), PIPE_BUF - 1));
+  report += "\n";
+  ssize_t n;
+  do n = ::write(g_report_fd, report.data(), report.size());
+  while (n < 0 && errno == EINTR);
+  return n == ssize_t(report.size());  // else the launcher is gone: say it here
 }
 
 std::vector<std::string> own_command_line() {
@@ -136,26 +151,9 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const std::string threads = std::to_string(std::max<int64_t>(1, int64_t(cores) / nproc));
 
-  // Each rank reports the error that ends it through its own pipe, so that the job prints one line
-  // (job_error) and not one per rank.
-  std::vector<std::array<int, 2>> reports(nproc);
-  auto close_reports = [&] {
-    for (auto& p : reports)
-      for (int& fd : p)
-        if (fd >= 0) ::close(fd), fd = -1;
-  };
-  for (auto& p : reports) {
-    p = {-1, -1};
-    if (::pipe2(p.data(), O_CLOEXEC) != 0) {
-      const int err = errno;
-      close_reports();
-      fail("cannot create the ranks' report pipes: ", std::strerror(err));
-    }
-  }
-
-  // Every rank's argv and environment are made before the first fork: between fork and exec a
-  // child of this multi-threaded process (the store's server thread) may only call async-signal-
-  // safe functions.
+  // Every rank's argv and environment are made before its fork: between fork and exec a child of
+  // this multi-threaded process (the store's server thread) may only call async-signal-safe
+  // functions.
   std::vector<std::string> args = argv;
   const std::string program = depthkit_program();
   std::vector<char*> cargv;
@@ -171,18 +169,9 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
     has_threads |= name == "OMP_NUM_THREADS";
     inherited.push_back(var);
   }
-  std::vector<std::vector<std::string>> envs(nproc, inherited);
-  std::vector<std::vector<char*>> cenvs(nproc);
-  for (int64_t r = 0; r < nproc; ++r) {
-    for (const std::string& v : {cat("RANK=", r), cat("LOCAL_RANK=", r), cat("WORLD_SIZE=", nproc),
-                                 cat("LOCAL_WORLD_SIZE=", nproc), std::string("MASTER_ADDR=127.0.0.1"),
-                                 cat("MASTER_PORT=", port), std::string("TORCHELASTIC_USE_AGENT_STORE=True"),
-                                 cat(kReportFd, "=", reports[r][1])})
-      envs[r].push_back(v);
-    if (!has_threads) envs[r].push_back("OMP_NUM_THREADS=" + threads);
-    for (auto& v : envs[r]) cenvs[r].push_back(v.data());
-    cenvs[r].push_back(nullptr);
-  }
+  // Each rank reports the error that ends it through its own pipe (the read ends, kept here), so
+  // that the job prints one line (job_error) and not one per rank.
+  std::vector<int> reports(nproc, -1);
   std::fflush(stdout);
   std::fflush(stderr);
   g_signals = 0;
@@ -192,33 +181,63 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
     g_rank_count.store(0);
     std::signal(SIGINT, old_int);
     std::signal(SIGTERM, old_term);
-    close_reports();
+    for (int& fd : reports)
+      if (fd >= 0) ::close(fd), fd = -1;
   };
+  // SIGINT and SIGTERM wait while a rank is forked: the child must not run pass_on (it would
+  // forward the signal to the ranks started before it), and the parent forwards to a rank only
+  // once its pid is recorded.
+  sigset_t stop_signals, old_mask;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
   const pid_t launcher = ::getpid();
   for (int64_t r = 0; r < nproc; ++r) {
-    const pid_t pid = fork();
-    if (pid < 0) {
-      for (int64_t q = 0; q < r; ++q) kill(g_ranks[q], SIGKILL);
-      for (int64_t q = 0; q < r; ++q) waitpid(g_ranks[q], nullptr, 0);
+    int pipe_fds[2];
+    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) {
+      const int err = errno;
+      for (int64_t q = 0; q < r; ++q) kill(g_ranks[q], SIGKILL), waitpid(g_ranks[q], nullptr, 0);
       restore();
-      fail("cannot start rank ", r, " (fork failed)");
+      fail("cannot create rank ", r, "'s report pipe: ", std::strerror(err));
     }
+    reports[r] = pipe_fds[0];
+    ::fcntl(pipe_fds[0], F_SETFL, O_NONBLOCK);  // drained after the rank ends; nothing else may hold it up
+    std::vector<std::string> env = inherited;
+    for (const std::string& v : {cat("RANK=", r), cat("LOCAL_RANK=", r), cat("WORLD_SIZE=", nproc),
+                                 cat("LOCAL_WORLD_SIZE=", nproc), std::string("MASTER_ADDR=127.0.0.1"),
+                                 cat("MASTER_PORT=", port), std::string("TORCHELASTIC_USE_AGENT_STORE=True"),
+                                 cat(kReportFd, "=", pipe_fds[1])})
+      env.push_back(v);
+    if (!has_threads) env.push_back("OMP_NUM_THREADS=" + threads);
+    std::vector<char*> cenv;
+    for (auto& v : env) cenv.push_back(v.data());
+    cenv.push_back(nullptr);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, &old_mask);
+    const pid_t pid = fork();
     if (pid == 0) {
       // The rank keeps its report pipe across exec, and is sent SIGTERM (checkpoint and stop) when
       // its launcher dies, kill -9 included: no rank trains on unsupervised. A launcher that died
       // before this line leaves the rank adopted already: then it does not start at all.
-      ::fcntl(reports[r][1], F_SETFD, 0);
+      std::signal(SIGINT, SIG_DFL);
+      std::signal(SIGTERM, SIG_DFL);
+      pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+      ::fcntl(pipe_fds[1], F_SETFD, 0);
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != launcher) _exit(1);
-      execve(program.c_str(), cargv.data(), cenvs[r].data());
+      execve(program.c_str(), cargv.data(), cenv.data());
       static const char msg[] = "depthkit: error: cannot run the depthkit program for a rank\n";
       (void)!write(2, msg, sizeof msg - 1);
       _exit(127);
     }
-    g_ranks[r] = pid;
-    g_rank_count.store(int(r + 1));
+    ::close(pipe_fds[1]);  // the rank holds the write end
+    if (pid > 0) g_ranks[r] = pid, g_rank_count.store(int(r + 1));
+    pthread_sigmask(SIG_SETMASK, &old_mask, nullptr);
+    if (pid < 0) {
+      for (int64_t q = 0; q < r; ++q) kill(g_ranks[q], SIGKILL), waitpid(g_ranks[q], nullptr, 0);
+      restore();
+      fail("cannot start rank ", r, " (fork failed)");
+    }
   }
-  for (auto& p : reports) ::close(p[1]), p[1] = -1;  // the ranks hold the write ends
 
   // Wait for every rank. After the first failure the others get grace_s to notice and stop.
   std::vector<RankEnd> ends(nproc);
@@ -248,14 +267,17 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
     g_ranks[rank] = 0;
     --running;
     ends[rank].status = status;
-    ends[rank].killed_by_us = killed[rank] || g_signals > 1;
+    // Ended by the launcher: after the grace period, by a second Ctrl-C, or by the signal it passed
+    // on, arriving before the rank's own handler was installed.
+    ends[rank].killed_by_us = killed[rank] || g_signals > 1 ||
+                              (WIFSIGNALED(status) && g_forwarded != 0 && WTERMSIG(status) == g_forwarded);
     if (exit_status(status) != 0 && !failed) {
       failed = true;
       deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(grace_s * 1000));
     }
   }
   for (int64_t r = 0; r < nproc; ++r) {
-    const std::string report = drain(reports[r][0]);
+    const std::string report = drain(reports[r]);
     const size_t space = report.find(' ');
     if (space == std::string::npos) continue;
     ends[r].kind = report.substr(0, space);
@@ -270,7 +292,8 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
   int stop_status = 0;
   for (const RankEnd& e : ends) {
     const int s = exit_status(e.status);
-    stopped &= e.kind.empty() && !WIFSIGNALED(e.status) && (s == 0 || s == 128 + SIGINT || s == 128 + SIGTERM);
+    stopped &= e.kind.empty() && (!WIFSIGNALED(e.status) || e.killed_by_us) &&
+               (s == 0 || s == 128 + SIGINT || s == 128 + SIGTERM);
     if (s != 0 && stop_status == 0) stop_status = s;
   }
   if (forced) return 128 + SIGINT;

@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -66,7 +67,8 @@ Json facts_json(const World::Facts& facts) {
 std::string differences(const std::vector<Json>& facts) {
   constexpr int kRanksShown = 3, kKeysShown = 4;
   auto value = [](const Json& f, const std::string& key) {
-    return f.contains(key) ? printable(f[key].get<std::string>()) : std::string("(none)");
+    if (!f.is_object() || !f.contains(key)) return std::string("(none)");
+    return printable(f[key].is_string() ? f[key].get<std::string>() : f[key].dump());
   };
   std::string out;
   int ranks_differing = 0;
@@ -75,7 +77,7 @@ std::string differences(const std::vector<Json>& facts) {
     for (const auto& [key, v] : facts[0].items())
       if (value(facts[r], key) != value(facts[0], key)) keys.push_back(key);
     for (const auto& [key, v] : facts[r].items())
-      if (!facts[0].contains(key)) keys.push_back(key);
+      if (!facts[0].is_object() || !facts[0].contains(key)) keys.push_back(key);
     if (keys.empty()) continue;
     if (++ranks_differing > kRanksShown) continue;
     std::string line = cat("rank ", r, " differs from rank 0: ");
@@ -186,10 +188,6 @@ struct World::Impl {
     return out;
   }
 
-  // The one line that explains why the job stopped, read from the store by a rank whose
-  // collective failed: a rank that published its own failure, else the cause another rank found
-  // first, else a rank whose heartbeat stopped, else the rank that lags behind this one. Empty
-  // when nothing explains it (then the failure is this rank's own).
   // What another rank published when it stopped: its own failure ("rank 1 failed: ..."), else the
   // cause it found; "" when none did.
   std::string published(c10d::Store& s) const {
@@ -200,6 +198,10 @@ struct World::Impl {
     return "";
   }
 
+  // The one line that explains why the job stopped, read from the store by a rank whose
+  // collective failed: a rank that published its own failure, else the cause another rank found
+  // first, else a rank whose heartbeat stopped, else the rank that lags behind this one. Empty
+  // when nothing explains it (then the failure is this rank's own).
   std::string diagnose() const {
     try {
       auto s = quick_store();
@@ -245,28 +247,34 @@ struct World::Impl {
   // to `arrived` as it comes (rank 0's first, so that a rank launched unlike rank 0 is named
   // without waiting for the others). Waits at most `timeout`: a rank that never published a
   // heartbeat is named as never joined, one whose heartbeat stops meanwhile as gone, at once.
+  // The store's own failures (its host gone) are CollectiveErrors, explained as a collective's are.
   std::vector<Json> exchange(const std::string& round, const Json& mine, const std::string& what,
                              const std::function<void(int64_t, const Json&)>& arrived) {
+    try {
+      return exchange_through_store(round, mine, what, arrived);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CollectiveError(one_line(e));
+    }
+  }
+
+  std::vector<Json> exchange_through_store(const std::string& round, const Json& mine, const std::string& what,
+                                           const std::function<void(int64_t, const Json&)>& arrived) {
     const auto key = [&](int64_t r) { return cat(round, "/", r); };
     store->set(key(rank), mine.dump());
     std::vector<Json> all(size);
-    std::vector<bool> have(size, false);
-    int64_t missing = size;
+    int64_t next = 0;  // ranks are read in order: rank 0 first, and one request per wait
     const auto start = std::chrono::steady_clock::now();
     auto last_look = start;
     auto last_beats = heartbeats(*store);
     for (;;) {
-      for (int64_t r = 0; r < size; ++r) {
-        if (have[r]) continue;
-        if (r > 0 && !have[0]) break;  // rank 0 first
-        if (!store->check({key(r)})) continue;
-        all[r] = Json::parse(as_string(store->get(key(r))), nullptr, false);
-        have[r] = true;
-        --missing;
-        if (arrived) arrived(r, all[r]);
+      while (next < size && store->check({key(next)})) {
+        all[next] = Json::parse(as_string(store->get(key(next))), nullptr, false);
+        if (arrived) arrived(next, all[next]);
+        ++next;
       }
-      if (missing == 0) return all;
-      check_claim(store->add(key_of("claim", rank), 0));
+      if (next == size) return all;
       // A rank that is not coming: the cause it published when it stopped, or else how it is missing.
       auto stop = [&](const std::string& missing_rank) {
         const std::string cause = published(*store);
@@ -275,15 +283,14 @@ struct World::Impl {
       const auto now = std::chrono::steady_clock::now();
       if (now - start > timeout) {
         const auto beats = heartbeats(*store);
-        for (int64_t r = 0; r < size; ++r)
-          if (!have[r])
-            stop(cat("rank ", r, beats.count(r) ? " did not reach " + what : std::string(" never joined the job"),
-                     " within ", timeout.count() / 1000.0, " s (train.timeout_s)"));
+        stop(cat("rank ", next, beats.count(next) ? " did not reach " + what : std::string(" never joined the job"),
+                 " within ", timeout.count() / 1000.0, " s (train.timeout_s)"));
       }
-      if (now - last_look >= kSilence) {
+      if (now - last_look >= kSilence) {  // now and then: the heartbeats, and a RANK claimed twice
+        check_claim(store->add(key_of("claim", rank), 0));
         const auto beats = heartbeats(*store);
-        for (int64_t r = 0; r < size; ++r)
-          if (!have[r] && last_beats.count(r) && beats.count(r) && last_beats.at(r) == beats.at(r))
+        for (int64_t r = next; r < size; ++r)
+          if (last_beats.count(r) && beats.count(r) && last_beats.at(r) == beats.at(r))
             stop(cat("rank ", r, " is gone (no heartbeat for ", kSilence.count() / 1000.0, " s during ", what,
                      ": killed, crashed or stopped)"));
         last_beats = beats;
@@ -343,18 +350,24 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s,
   // forms (a collective over tensors whose sizes differ between ranks aborts inside Gloo).
   World::Facts all_facts = {{"WORLD_SIZE", std::to_string(w.size)}};
   all_facts.insert(all_facts.end(), facts.begin(), facts.end());
-  const auto launched = w.exchange("launch", Json{{"facts", facts_json(all_facts)}}, "the rendezvous",
-                                   [&](int64_t r, const Json& theirs) {
-                                     const Json size = theirs.is_object() && theirs.contains("facts")
-                                                           ? theirs["facts"].value("WORLD_SIZE", Json("?"))
-                                                           : Json("?");
-                                     const std::string given = size.is_string() ? size.get<std::string>() : "?";
-                                     if (given != std::to_string(w.size))
-                                       fail("rank ", r, " was launched with WORLD_SIZE=", printable(given), " and rank ",
-                                            w.rank, " with WORLD_SIZE=", w.size, ": every rank of a job needs the same");
-                                   });
+  // A rank launched with another WORLD_SIZE is named as soon as its facts arrive.
+  auto same_world_size = [&](int64_t r, const Json& theirs) {
+    const Json facts = theirs.is_object() ? theirs.value("facts", Json::object()) : Json::object();
+    const Json size = facts.is_object() ? facts.value("WORLD_SIZE", Json("?")) : Json("?");
+    const std::string given = size.is_string() ? size.get<std::string>() : "?";
+    if (given != std::to_string(w.size))
+      fail("rank ", r, " was launched with WORLD_SIZE=", printable(given), " and rank ", w.rank, " with WORLD_SIZE=",
+           w.size, ": every rank of a job needs the same");
+  };
+  std::vector<Json> launched;
+  try {
+    launched = w.exchange("launch", Json{{"facts", facts_json(all_facts)}}, "the rendezvous", same_world_size);
+  } catch (const CollectiveError& e) {  // the store stopped answering
+    const std::string why = w.diagnose();
+    fail("rank ", w.rank, ": the rendezvous failed: ", why.empty() ? std::string(e.what()) : why);
+  }
   std::vector<Json> launched_facts;
-  for (const Json& j : launched) launched_facts.push_back(j["facts"]);
+  for (const Json& j : launched) launched_facts.push_back(j.is_object() ? j.value("facts", Json::object()) : Json::object());
   if (const std::string d = differences(launched_facts); !d.empty())
     fail("the ranks were started differently (every rank of a job needs the same config and data); ", d);
   try {
@@ -375,6 +388,9 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s,
       w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
       w.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::NCCL, nccl);
       w.group->setDefaultBackend(c10d::ProcessGroup::NCCL);
+      // NCCL's watchdog says why it ends a hung collective in an error-level log line before it
+      // aborts the process: with NCCL, those lines pass (cli/app.cpp keeps only fatal ones).
+      if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = std::min<int>(FLAGS_caffe2_log_level, 2);
     } else {
       fail("train.backend: unknown process-group backend '", backend, "'");
     }
@@ -424,7 +440,7 @@ void World::agree(bool ok, const std::string& what, const Facts& facts) {
   for (int64_t r = 0; r < size_; ++r) {
     const bool rank_ok = all[r].is_object() && all[r].value("ok", false);
     if (!rank_ok) names += cat(names.empty() ? "" : ", ", r);
-    else all_facts.push_back(all[r]["facts"]);
+    else all_facts.push_back(all[r].value("facts", Json::object()));
   }
   if (!names.empty())
     throw JobStopped(cat("rank ", names, " failed during ", what, " (its own message says why); rank ", rank_, " stops too"));

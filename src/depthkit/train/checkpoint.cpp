@@ -67,7 +67,7 @@ void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const N
                       {"config", st.config_toml}};
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
   fsync_path(tmp);
-  replace_directory(tmp, dir);  // the previous folder stays whole until the new one is in place
+  replace_directory(tmp, dir, is_checkpoint_file);  // the previous folder stays whole until the new one is in place
   building.release();
 }
 
@@ -88,10 +88,11 @@ fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, cons
     const std::string entry = e.path().filename().string();
     auto step = checkpoint_step(entry);
     if (step && e.is_directory() && e.path() != final_dir) all.emplace_back(*step, e.path());
-    // A folder a killed run was building ("step_N.tmp-XXXXXX") or replacing (".old-"): the run's own.
+    // A folder a killed run was building ("step_N.tmp-XXXXXX", or the one it had just replaced):
+    // the run's own.
     const size_t dot = entry.find('.');
     if (dot != std::string::npos && checkpoint_step(entry.substr(0, dot)) && e.is_directory() &&
-        (entry.compare(dot, 5, ".tmp-") == 0 || entry.compare(dot, 5, ".old-") == 0))
+        entry.compare(dot, 5, ".tmp-") == 0)
       fs::remove_all(e.path());
   }
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });

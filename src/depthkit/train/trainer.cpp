@@ -23,6 +23,7 @@
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/hash.h"
 #include "depthkit/util/json.h"
 #include "depthkit/util/memory.h"
 #include "depthkit/util/progress.h"
@@ -175,15 +176,6 @@ bool check_resume(const TrainOptions& opt, const TrainerState& state, const fs::
                                             : std::string(" (keep the product of the three)"));
   }
   return complete;
-}
-
-// A 64-bit FNV-1a hash in hex: fingerprints compared across ranks, not a defence against forgery.
-std::string fingerprint(std::string_view bytes) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : bytes) h = (h ^ c) * 0x100000001b3ull;
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
-  return hex;
 }
 
 // What every rank must start from alike, beyond the config: the data (meta.json and each shard's

@@ -121,42 +121,81 @@ bool is_within(const fs::path& inner, const fs::path& outer) {
   return !rel.empty() && *rel.begin() != "..";
 }
 
+fs::path output_directory(const std::string& given, const std::string& option) {
+  fs::path out = fs::path(given).lexically_normal();
+  if (!out.empty() && !out.has_filename()) out = out.parent_path();  // "out/" is "out"
+  const std::string name = out.filename().string();
+  if (out.empty() || name.empty() || name == "." || name == ".." || out == out.root_path())
+    fail(option, " '", printable(given), "': name an output directory of its own (it is replaced as a whole), "
+         "not '.', '..' or '/'");
+  return out;
+}
+
 fs::path make_sibling_dir(const fs::path& path, const std::string& tag) {
-  const fs::path target = path.has_filename() ? path : path.parent_path();  // "out/" names "out"
-  const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const fs::path parent = path.parent_path().empty() ? fs::path(".") : path.parent_path();
   std::error_code ec;
   fs::create_directories(parent, ec);
   if (ec) fail(parent.string(), ": cannot create directory: ", ec.message());
-  std::string name = (parent / (target.filename().string() + "." + tag + "-XXXXXX")).string();
+  std::string name = (parent / (path.filename().string() + "." + tag + "-XXXXXX")).string();
   if (!::mkdtemp(name.data())) fail(name, ": cannot create a directory: ", std::strerror(errno));
+  // mkdtemp makes it 0700; renamed into place, it is an output like any other (0777 less umask).
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  ::chmod(name.c_str(), 0777 & ~mask);
   return name;
 }
 
-void check_only_owned(const fs::path& dir, const std::function<bool(const std::string&)>& owned, const std::string& what) {
+namespace {
+
+// The first entry of `dir` that is not a regular file `owned` accepts, or "".
+std::string first_unowned(const fs::path& dir, const OwnedNames& owned) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (!owned(name))
-      fail(dir.string(), ": --force replaces only ", what, ", and '", printable(name),
-           "' is not part of it (move it away, or choose another output)");
+    if (!fs::is_regular_file(fs::symlink_status(e.path(), ec)) || !owned(name)) return name;
   }
   if (ec) fail(dir.string(), ": cannot list: ", ec.message());
+  return "";
 }
 
-void replace_directory(const fs::path& built, const fs::path& out) {
+}  // namespace
+
+void check_only_owned(const fs::path& dir, const OwnedNames& owned, const std::string& what) {
+  if (const std::string name = first_unowned(dir, owned); !name.empty())
+    fail(dir.string(), ": --force replaces only ", what, ", and '", printable(name),
+         "' is not part of it (move it away, or choose another output)");
+}
+
+void replace_directory(const fs::path& built, const fs::path& out, const OwnedNames& owned) {
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(out, ec))) {
     rename_durable(built, out);
     return;
   }
-  // rename(2) puts a directory over an empty one: the fresh name takes the old output.
-  const fs::path old = make_sibling_dir(out, "old");
-  rename_durable(out, old);
-  try {
-    rename_durable(built, out);
-  } catch (...) {
-    rename_durable(old, out);  // put the old one back
-    throw;
+  // One step: the two swap names, so `out` always holds one of them; the old one is then at
+  // `built`'s name. (A file system without RENAME_EXCHANGE: the old one is renamed aside first.)
+  fs::path old = built;
+  if (::renameat2(AT_FDCWD, built.c_str(), AT_FDCWD, out.c_str(), RENAME_EXCHANGE) == 0) {
+    fsync_path(out.parent_path().empty() ? fs::path(".") : out.parent_path());
+  } else if (errno == EINVAL || errno == ENOSYS) {
+    std::random_device rd;
+    do old = cat(out.string(), ".old-", rd() % 1000000);
+    while (fs::exists(fs::symlink_status(old, ec)));
+    rename_durable(out, old);
+    try {
+      rename_durable(built, out);
+    } catch (...) {
+      rename_durable(old, out);  // put the old one back
+      throw;
+    }
+  } else {
+    fail(out.string(), ": cannot replace it with ", built.string(), ": ", std::strerror(errno));
+  }
+  // Checked again: a file that appeared in the old output since the caller's check stays.
+  if (const std::string name = first_unowned(old, owned); !name.empty()) {
+    std::fprintf(stderr, "depthkit: the replaced %s is kept as %s: '%s' appeared in it meanwhile\n", out.c_str(),
+                 old.c_str(), printable(name).c_str());
+    return;
   }
   fs::remove_all(old, ec);
 }

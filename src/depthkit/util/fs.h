@@ -53,17 +53,23 @@ bool is_within(const fs::path& inner, const fs::path& outer);
 
 // Replacing a directory depthkit wrote (--force) without touching anything else:
 //
+// An output directory as given to `option`, normalised ("out/" is "out"); ".", ".." and "/" are
+// refused, since the output is replaced as a whole.
+fs::path output_directory(const std::string& given, const std::string& option);
 // A new, empty directory beside `path`, "<path>.<tag>-XXXXXX" (mkdtemp: a name nobody had), in
 // which a replacement is built; its parent is created if need be.
 fs::path make_sibling_dir(const fs::path& path, const std::string& tag);
+// The names of the regular files a command writes into its output directory.
+using OwnedNames = std::function<bool(const std::string&)>;
 // Refuses, naming the first other entry, unless everything directly in the directory `dir` is a
-// name `owned` accepts: what a command's --force may remove is only what it wrote (`what`: "data
-// prepare's output"). Subdirectories are entries too.
-void check_only_owned(const fs::path& dir, const std::function<bool(const std::string&)>& owned, const std::string& what);
-// Puts the finished directory `built` at `out`: an existing `out` (checked with check_only_owned
-// by the caller) is first renamed aside to a fresh sibling name, then removed once `built` is in
-// place, so a crash leaves either the old directory or the new one at `out`.
-void replace_directory(const fs::path& built, const fs::path& out);
+// regular file whose name `owned` accepts: what a command's --force may remove is only what it
+// wrote (`what` says what that is, for the message).
+void check_only_owned(const fs::path& dir, const OwnedNames& owned, const std::string& what);
+// Puts the finished directory `built` at `out`. An existing `out` (checked with check_only_owned
+// by the caller) is swapped with `built` in one step (renameat2 RENAME_EXCHANGE), so a crash
+// leaves one of the two at `out`; the old one is then checked again and removed, unless something
+// not owned appeared in it meanwhile: then it is kept, and a line says where.
+void replace_directory(const fs::path& built, const fs::path& out, const OwnedNames& owned);
 // Removes a directory this process made (make_sibling_dir) when it goes out of scope, unless
 // release() was called: a failed command leaves nothing half-written behind.
 class TemporaryDirectory {

@@ -40,8 +40,10 @@ std::string range_text(uint64_t lo, uint64_t hi) {
   return hi == std::numeric_limits<uint64_t>::max() ? cat(">= ", lo) : cat("in [", lo, ", ", hi, "]");
 }
 
-std::string range_text(double lo, double hi, double type_max) {
-  return hi >= type_max ? cat(">= ", number_text(lo)) : cat("in [", number_text(lo), ", ", number_text(hi), "]");
+std::string range_text(double lo, double hi, double type_max, Bound lo_bound, Bound hi_bound) {
+  const bool lo_open = lo_bound == Bound::open;
+  if (hi >= type_max) return cat(lo_open ? "> " : ">= ", number_text(lo));
+  return cat("in ", lo_open ? "(" : "[", number_text(lo), ", ", number_text(hi), hi_bound == Bound::open ? ")" : "]");
 }
 
 int64_t parse_int(std::string_view text, int64_t lo, int64_t hi, const std::string& what) {
@@ -52,14 +54,17 @@ uint64_t parse_uint(std::string_view text, uint64_t lo, uint64_t hi, const std::
   return parse_integer<uint64_t>(text, lo, hi, what);
 }
 
-double parse_real(std::string_view text, double lo, double hi, const std::string& what) {
-  const std::string want = "a finite number " + range_text(lo, hi, std::numeric_limits<double>::infinity());
+double parse_real(std::string_view text, double lo, double hi, const std::string& what, Bound lo_bound,
+                  Bound hi_bound) {
+  const std::string want =
+      "a finite number " + range_text(lo, hi, std::numeric_limits<double>::infinity(), lo_bound, hi_bound);
   // from_chars takes "inf", "nan" and hex digits after a leading digit run only in their own
   // formats; a leading '+' or blank it refuses, as it should.
   double value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || !std::isfinite(value) || value < lo ||
-      value > hi)
+  const bool below = lo_bound == Bound::open ? value <= lo : value < lo;
+  const bool above = hi_bound == Bound::open ? value >= hi : value > hi;
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || !std::isfinite(value) || below || above)
     refuse(text, what, want);
   return value;
 }
