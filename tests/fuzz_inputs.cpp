@@ -28,6 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -36,11 +37,13 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "depthkit/cli/app.h"
 #include "depthkit/cli/commands.h"
 #include "depthkit/util/fs.h"
+#include "depthkit/util/numbers.h"
 #include "depthkit/util/progress.h"
 #include "helpers.h"
 
@@ -225,11 +228,20 @@ class Fuzz : public ::testing::Test {
                                 "2147483647", "\"cuda\"", "1e-300", "3\nmodel.n_layers = 2", "2\r\n[model]"});
   }
 
-  // Every config key, from the config's own table (Config::values), so that none is missed.
-  std::vector<std::string> keys() {
-    std::vector<std::string> out;
-    for (const auto& [key, value] : Config().values()) out.push_back(key);
-    return out;
+  // A value for `key` just past what it accepts (one below its least, one above its greatest, a
+  // name it does not have), or one of the values no key should take.
+  std::string hostile_value(const ConfigKey& key) {
+    if (pick(2)) return hostile_value();
+    const bool integral = key.type == "integer" || key.type == "integer array";
+    auto number = [&](double v) { return integral ? std::to_string(int64_t(v)) : number_text(v); };
+    auto wrap = [&](const std::string& v) { return key.type == "integer array" ? "[" + v + "]" : v; };
+    if (integral || key.type == "number") {
+      const bool low = std::isfinite(key.min) && (!std::isfinite(key.max) || pick(2));
+      if (low) return wrap(number(integral ? key.min - 1 : std::nextafter(key.min, -INFINITY) - std::abs(key.min) * 1e-9));
+      if (std::isfinite(key.max)) return wrap(number(integral ? key.max + 1 : key.max * (1 + 1e-9) + 1e-12));
+    }
+    if (key.type == "string") return "\"" + (key.choices.empty() ? std::string("no_such_name") : key.choices[0] + "x") + "\"";
+    return hostile_value();
   }
 
   // A JSON value of the wrong kind or range for a counter or a string.
@@ -321,13 +333,19 @@ std::string Fuzz::config_text_, Fuzz::npy_, Fuzz::tokens_text_;
 TEST_F(Fuzz, Configs) {
   Tally tally{"config"};
   const fs::path config = scratch_ / "config.toml", out = scratch_ / "ck";
-  for (int64_t i = 0; i < scaled(480); ++i) {
+  // Every declared key (Config::keys, so that none is missed) is first given a hostile value with
+  // --set and then in the file, before the cases are drawn at random.
+  const std::vector<ConfigKey> keys = Config::keys();
+  const int64_t n = int64_t(keys.size());
+  std::set<std::string> set_keys, file_keys;
+  for (int64_t i = 0; i < std::max(scaled(480), 2 * n); ++i) {
     std::vector<std::string> args = {"init", "--config", config.string(), "--out", out.string()};
     // An allocation the checks let through names what it was building instead of a key.
     std::vector<std::string> names = {config.string(), "out of memory while building", "building the model:"};
     std::string text = config_text_;
-    const std::string key = one_of(keys()), value = hostile_value();
-    switch (pick(10) < 9 ? pick(3) : 3) {
+    const ConfigKey& declared = i < 2 * n ? keys[size_t(i % n)] : one_of(keys);
+    const std::string key = declared.path(), value = hostile_value(declared);
+    switch (i < 2 * n ? int(i / n) : pick(10) < 9 ? pick(3) : 3) {
       case 3: {  // sizes past the machine: refused up front, or failing in the capped allocator
         const std::string size_key = one_of<std::string>({"model.vocab_size", "model.d_model", "model.d_ff", "model.seq_len"});
         args.insert(args.end(), {"--set", cat(size_key, "=", int64_t(1) << (20 + pick(11)))});
@@ -335,15 +353,24 @@ TEST_F(Fuzz, Configs) {
         break;
       }
       case 0:  // a key given a hostile value with --set
+        set_keys.insert(key);
         args.insert(args.end(), {"--set", key + "=" + value});
         // A combination of keys that cannot run is named by the file where the others come from.
         names = {"--set", key, config.string(), "out of memory while building", "building the model:"};
         break;
-      case 1: {  // a key given a hostile value in the file
-        const std::string section = key.substr(0, key.find('.')), name = key.substr(key.find('.') + 1);
-        const size_t line = text.find("\n" + name + " = ");
-        if (line != std::string::npos) text.replace(line + 1, text.find('\n', line + 1) - line - 1, name + " = " + value);
-        else text.insert(text.find("[" + section + "]\n") + section.size() + 3, name + " = " + value + "\n");
+      case 1: {  // a key given a hostile value in the file, in its section (added when missing)
+        file_keys.insert(key);
+        const std::string& section = declared.section;
+        const std::string& name = declared.key;
+        const size_t at = text.find("[" + section + "]\n");
+        if (at == std::string::npos) {
+          text += "[" + section + "]\n" + name + " = " + value + "\n";
+          break;
+        }
+        const size_t end = std::min(text.size(), text.find("\n[", at + 1));  // the section's lines
+        const size_t line = text.find("\n" + name + " = ", at);
+        if (line < end) text.replace(line + 1, text.find('\n', line + 1) - line - 1, name + " = " + value);
+        else text.insert(at + section.size() + 3, name + " = " + value + "\n");
         break;
       }
       default: text = mutate_bytes(mutate_bytes(text));
@@ -352,6 +379,10 @@ TEST_F(Fuzz, Configs) {
     const Outcome o = run_cli(args, scratch_);
     tally.check(o, names, "config " + (args.size() > 5 ? args.back() : text));
     fs::remove_all(out);
+  }
+  for (const ConfigKey& k : keys) {
+    EXPECT_TRUE(set_keys.count(k.path())) << k.path() << " was never given a hostile value with --set";
+    EXPECT_TRUE(file_keys.count(k.path())) << k.path() << " was never given a hostile value in the file";
   }
 }
 

@@ -1,7 +1,12 @@
 // Shared test helpers: temporary directories, synthetic token shards, small configs.
 #pragma once
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <random>
 #include <string>
@@ -9,6 +14,9 @@
 
 #include "depthkit/config/config.h"
 #include "depthkit/data/shards.h"
+#include "depthkit/model/config_check.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::test {
@@ -47,7 +55,7 @@ inline void write_pattern_data(const std::string& dir, int64_t vocab, int64_t tr
 
 // A model small enough that a few steps take milliseconds.
 inline Config small_config(const std::string& data_dir) {
-  return Config::parse(
+  return parse_config(
       "[model]\nn_layers = 2\nd_model = 32\nn_heads = 4\nn_kv_heads = 2\nd_ff = 64\nvocab_size = 64\n"
       "seq_len = 16\n[data]\ndir = \"" + data_dir + "\"\n"
       "[train]\nmicro_batch = 4\nsteps = 8\neval_every = 4\neval_tokens = 256\ncheckpoint_every = 4\n"
@@ -69,5 +77,30 @@ void expect_error(Fn fn, const std::vector<std::string>& parts) {
 }
 
 inline std::string source_dir() { return DEPTHKIT_SOURCE_DIR; }
+
+// Lists of test variants, each a list of --set overrides, must reach every kind in the pathway
+// registry: a kind added to the registry fails the tests whose lists do not name it yet.
+inline void expect_every_kind(const std::vector<std::vector<std::string>>& variants, const std::string& list) {
+  for (const auto& kind : pathway_kind_names()) {
+    const std::string set = "residual.kind=" + kind;
+    bool found = false;
+    for (const auto& v : variants) found |= std::find(v.begin(), v.end(), set) != v.end();
+    EXPECT_TRUE(found) << list << " has no variant of residual.kind " << kind;
+  }
+}
+
+// A seeded CPU generator, so that every test draws the same numbers on every machine.
+inline at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+// Every parameter of `params` redrawn from N(0, scale²), and the norms' weights from N(1, scale²)
+// when `norms_near_one`: zeros and the initialisation's structure hide bugs.
+inline void randomize(ParameterStore& params, uint64_t seed, double scale, bool norms_near_one = false) {
+  auto g = gen(seed);
+  at::NoGradGuard no_grad;
+  for (const auto& p : params.all()) {
+    auto r = at::randn(p.tensor.sizes(), g, at::kDouble).to(p.tensor.scalar_type()) * scale;
+    p.tensor.copy_(norms_near_one && p.component == "norm" ? r + 1.0 : r);
+  }
+}
 
 }  // namespace depthkit::test

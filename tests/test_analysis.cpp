@@ -13,10 +13,10 @@
 #include <cmath>
 #include <map>
 
-#include "depthkit/analysis/accounting.h"
+#include "depthkit/model/accounting.h"
 #include "depthkit/analysis/analyze.h"
 #include "depthkit/analysis/scaling.h"
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/pathways/pathway.h"
 #include "depthkit/util/fs.h"
@@ -44,12 +44,12 @@ CostReport cost_of(const std::string& kind, int64_t n_layers, int64_t S, int64_t
 namespace {
 
 int64_t residual_params(const std::string& config, const std::vector<std::string>& sets) {
-  Config c = Config::parse(read_file(config), config, sets);
+  Config c = parse_config(read_file(config), config, sets);
   return Transformer(c.model, c.residual, at::kMeta, 0).count().residual;
 }
 
 int64_t non_vocab(const std::string& config, const std::vector<std::string>& sets) {
-  Config c = Config::parse(read_file(config), config, sets);
+  Config c = parse_config(read_file(config), config, sets);
   return Transformer(c.model, c.residual, at::kMeta, 0).count().non_vocab;
 }
 

@@ -1,17 +1,27 @@
 // Config loading, validation messages, --set overrides, and the learning-rate schedules.
 #include <cmath>
 
+#include <set>
+#include <sstream>
+
+#include "depthkit/model/config_check.h"
+#include "depthkit/model/router.h"
+#include "depthkit/pathways/registry.h"
 #include "depthkit/train/schedule.h"
+#include "depthkit/util/fs.h"
 #include "helpers.h"
 
 namespace depthkit::test {
 
 TEST(Config, LoadsEveryShippedConfig) {
-  for (const char* name : {"tiny.toml", "bench/wide.toml", "paper/dense-0.1b.toml", "paper/dense-0.3b.toml",
-                           "paper/dense-0.5b.toml", "paper/dense-1b.toml"}) {
-    Config c = Config::load(source_dir() + "/configs/" + name);
-    EXPECT_GT(c.total_steps(), 0) << name;
+  int64_t n = 0;
+  for (const auto& e : fs::recursive_directory_iterator(source_dir() + "/configs")) {
+    if (e.path().extension() != ".toml") continue;
+    Config c = load_config(e.path().string());
+    EXPECT_GT(c.total_steps(), 0) << e.path();
+    ++n;
   }
+  EXPECT_GE(n, 6);
 }
 
 TEST(Config, WideBenchPresetHasTheDense01bLayer) {
@@ -83,22 +93,67 @@ TEST(Config, ResolvedTomlRoundTrips) {
 
 TEST(Config, InvalidPathwayCombinationsNameTheKey) {
   const std::string base = "[train]\nsteps = 1\n";
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=[4, 0, 12]"}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.kernels=[4, 0, 12]"}); },
                {"'residual.kernels'", "got 0"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3"}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.streams=3"}); },
                {"'residual.kernels'", "needs 2"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.streams=0"}); }, {"'residual.streams'", "got 0"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.kernels=\"4,8\""}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.streams=0"}); }, {"'residual.streams'", "got 0"});
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.kernels=\"4,8\""}); },
                {"'residual.kernels'", "array of integers"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=mhc", "residual.sinkhorn_iters=0"}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=mhc", "residual.sinkhorn_iters=0"}); },
                {"'residual.sinkhorn_iters'"});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
                {"'residual.fusion'", "\"hpre\", \"mean\""});
-  expect_error([&] { Config::parse(base, "x.toml", {"residual.impl=\"eager\""}); },
+  expect_error([&] { parse_config(base, "x.toml", {"residual.impl=\"eager\""}); },
                {"'residual.impl'", "\"reference\", \"fused\""});
-  Config ok = Config::parse(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
+  Config ok = parse_config(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});
   EXPECT_EQ(ok.residual.kernels, (std::vector<int64_t>{2, 5}));
-  EXPECT_EQ(Config::parse(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);
+  EXPECT_EQ(parse_config(ok.to_toml(), "resolved").residual.kernels, ok.residual.kernels);
+}
+
+// Config::parse knows no kind or router: those names are the registries', given by the layer that
+// owns them (model/config_check.h), so that config stays below the pathways.
+TEST(Config, NamesFromAboveAreCheckedByTheirOwners) {
+  const std::string base = "[train]\nsteps = 1\n";
+  EXPECT_EQ(Config::parse(base, "x.toml", {"residual.kind=nope"}).residual.kind, "nope");
+  EXPECT_EQ(Config::parse(base, "x.toml", {"moe.router=nope"}).model.moe.router, "nope");
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=nope"}); },
+               {"--set residual.kind=nope", "'residual.kind'", "\"dar\"", "got \"nope\""});
+  expect_error([&] { parse_config("[moe]\nrouter = \"nope\"\n" + base, "x.toml"); },
+               {"x.toml", "'moe.router'", "\"softmax_topk\"", "got \"nope\""});
+  // Every kind and router the registries hold is accepted.
+  for (const auto& kind : pathway_kind_names()) EXPECT_EQ(parse_config(base, "x.toml", {"residual.kind=" + kind}).residual.kind, kind);
+  for (const auto& router : moe_router_names())
+    EXPECT_EQ(parse_config(base, "x.toml", {"moe.router=" + router}).model.moe.router, router);
+}
+
+// Config::keys is the one list of keys: values() and to_toml() follow it, and every key has a row
+// in docs/training.md's table (a key added without its documentation fails here), and every row
+// names a declared key.
+TEST(Config, KeysAreDeclaredOnceAndDocumented) {
+  const std::vector<ConfigKey> keys = Config::keys();
+  const auto values = Config().values();
+  ASSERT_EQ(keys.size(), values.size());
+  for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(keys[i].path(), values[i].first);
+  std::set<std::string> documented;
+  std::istringstream doc(read_file(source_dir() + "/docs/training.md"));
+  for (std::string line; std::getline(doc, line);) {
+    if (!line.starts_with("| `")) continue;
+    const std::string cell = line.substr(2, line.find(" |", 2) - 2);  // the row's first cell
+    std::string section;
+    for (size_t a = cell.find('`'); a != std::string::npos; a = cell.find('`', cell.find('`', a + 1) + 1)) {
+      const std::string name = cell.substr(a + 1, cell.find('`', a + 1) - a - 1);
+      const size_t dot = name.find('.');
+      if (dot != std::string::npos) section = name.substr(0, dot);
+      if (!section.empty()) documented.insert(dot != std::string::npos ? name : section + "." + name);
+    }
+  }
+  std::set<std::string> declared, sections;
+  for (const auto& k : keys) declared.insert(k.path()), sections.insert(k.section);
+  for (const auto& k : declared) EXPECT_TRUE(documented.count(k)) << k << " has no row in docs/training.md's key table";
+  for (const auto& k : documented)
+    if (sections.count(k.substr(0, k.find('.'))) && !declared.count(k))
+      ADD_FAILURE() << k << " is in docs/training.md's key table but is not a declared key";
 }
 
 TEST(Schedule, WarmupThenCosineToMinimum) {

@@ -24,7 +24,6 @@ using namespace depthkit::test;
 
 namespace {
 
-at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // Every kind and the variants whose state differs: the block forms, DAR's routings, MSAR's
 // streams, kernels, fusions and its ablation without convolutions, the hybrids, an MoE backbone,
@@ -55,6 +54,8 @@ std::vector<std::vector<std::string>> decoding_variants() {
           {"residual.kind=dar", "residual.block_sublayers=2", "moe.n_experts=4", "moe.top_k=2", "moe.expert_d_ff=16"}};
 }
 
+TEST(Decoding, VariantsReachEveryKind) { expect_every_kind(decoding_variants(), "decoding_variants()"); }
+
 std::string label(const std::vector<std::string>& sets) {
   std::string s;
   for (const auto& x : sets) s.append(x).append(1, ' ');
@@ -67,7 +68,7 @@ struct Model {
   Config cfg;
   Transformer m;
   explicit Model(const std::vector<std::string>& sets, int64_t seq_len = 32)
-      : cfg(Config::parse(small_config("unused").to_toml(), "small", with_length(sets, seq_len))),
+      : cfg(parse_config(small_config("unused").to_toml(), "small", with_length(sets, seq_len))),
         m(cfg.model, cfg.residual, at::kCPU, 3) {
     auto g = gen(11);
     at::NoGradGuard no_grad;
@@ -75,7 +76,7 @@ struct Model {
       if (p.component == "residual") p.tensor.normal_(0.0, 0.5, g);
   }
   static std::vector<std::string> with_length(std::vector<std::string> sets, int64_t seq_len) {
-    sets.push_back("model.seq_len=" + std::to_string(seq_len));
+    sets.push_back(depthkit::cat("model.seq_len=", seq_len));
     return sets;
   }
 };

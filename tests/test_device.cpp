@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <optional>
 
-#include "depthkit/train/bench.h"
+#include "depthkit/bench/bench.h"
 #include "depthkit/dist/world.h"
 #include "depthkit/util/device.h"
 #include "helpers.h"
@@ -76,9 +76,9 @@ TEST(Device, CountersAnswerUnknownForTheCpu) {
 }
 
 TEST(Device, ConfigAcceptsCpuAndCudaOnly) {
-  EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cuda"}).train.device, "cuda");
-  EXPECT_EQ(Config::parse("", "x.toml", {"train.steps=1", "train.device=cpu"}).train.device, "cpu");
-  expect_error([] { Config::parse("", "x.toml", {"train.steps=1", "train.device=tpu"}); }, {"train.device", "tpu"});
+  EXPECT_EQ(parse_config("", "x.toml", {"train.steps=1", "train.device=cuda"}).train.device, "cuda");
+  EXPECT_EQ(parse_config("", "x.toml", {"train.steps=1", "train.device=cpu"}).train.device, "cpu");
+  expect_error([] { parse_config("", "x.toml", {"train.steps=1", "train.device=tpu"}); }, {"train.device", "tpu"});
 }
 
 TEST(Device, BenchRunsOnTheResolvedDevice) {

@@ -1,17 +1,21 @@
 // The fused depth-retrieval operators against their reference compositions (ops/reference/):
 // forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes
 // including N = 1, P = 1 and odd d; a finite-difference gradient check in float64; bfloat16.
-// And every fused operator's outputs and gradients bit for bit the same on 1, 2 and 3 threads.
+// And every fused operator's outputs and gradients bit for bit the same on 1, 2 and 3 threads, on
+// the cases of operator_cases() (operator_cases.h), one per operator, which OperatorChecklist also runs.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/rand.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "depthkit/model/layers.h"
+#include "depthkit/ops/backbone_ops.h"
 #include "depthkit/ops/cpu/depth_read_cpu.h"
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/fused.h"
@@ -22,6 +26,7 @@
 #include "depthkit/ops/shared_source.h"
 #include "helpers.h"
 #include "op_checks.h"
+#include "operator_cases.h"
 
 namespace depthkit::test {
 
@@ -294,74 +299,132 @@ void expect_thread_independent(const char* name, const Op& op, const std::vector
 
 }  // namespace
 
-// Every fused operator gives the same outputs and gradients, bit for bit, on 1, 2 and 3 threads
-// (so a run's numbers do not depend on train.threads). The shapes are large enough that every
-// kernel splits its tokens across the threads (≥ 2 blocks of summed tokens; MSAR: ≥ 2 groups of tiles).
-TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
+// One case per fused operator (operator_cases.h): shapes large enough that every kernel splits its
+// tokens across the threads (≥ 2 blocks of summed tokens; MSAR: ≥ 2 groups of tiles; the linear
+// cross-entropy: two chunks of tokens). Each fused side returns the differentiable outputs only.
+std::vector<OperatorCase> operator_cases() {
   auto g = generator(31);
   const int64_t N = 4, B = 3, T = 200, P = B * T, d = 40, m = 4, K = 5;
   auto randn = [&](at::IntArrayRef shape, double scale = 1.0) { return at::randn(shape, g) * scale; };
-  expect_thread_independent(
-      "depth_read",
-      [&](const std::vector<at::Tensor>& t) {
-        auto [out, lse] = fused::depth_read(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
-        return std::vector<at::Tensor>{out, lse};
-      },
-      {randn({2, d}), randn({N, P, d}), randn({N, P, d})});
-  expect_thread_independent(
-      "depth_merge",
-      [&](const std::vector<at::Tensor>& t) {
-        return std::vector<at::Tensor>{fused::depth_merge(t[0], t[1], t[2], t[3], t[4], kKeyNormEps)};
-      },
-      {randn({P, d}), randn({P}), randn({d}), randn({P, d}), randn({P, d})});
-  expect_thread_independent(
-      "dar_read",
-      [&](const std::vector<at::Tensor>& t) {
-        fused::DarRead r =
-            fused::dar_read(t[0], t[1].unbind(0), t[2].unbind(0), t[3], t[4], t[5], t[6], t[7], t[8], {1, 0}, {0, 1},
-                            kKeyNormEps);
-        return std::vector<at::Tensor>{r.h, r.beta};
-      },
-      {randn({2, d}), randn({N, P, d}), randn({N, P, d}), randn({P, d}), randn({P, d}), randn({2, 2 * d}, 0.1),
-       randn({2}), randn({2, 2 * d}, 0.1), randn({2})});
-  expect_thread_independent(
-      "dar_write",
-      [&](const std::vector<at::Tensor>& t) {
-        auto [p0, p1] = fused::dar_write(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
-        return std::vector<at::Tensor>{p0, p1};
-      },
-      {randn({P, d}), at::rand({P, 2}, g) * 2, randn({P, d}), randn({P, d}), randn({1, 2 * d}, 0.1), randn({1})});
-  expect_thread_independent(
-      "msar_read",
-      [&](const std::vector<at::Tensor>& t) {
-        auto [out, lse] = fused::msar_read(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
-        return std::vector<at::Tensor>{out, lse};
-      },
-      {randn({m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)});
-  expect_thread_independent(
-      "msar_fuse",
-      [&](const std::vector<at::Tensor>& t) {
-        return std::vector<at::Tensor>{fused::msar_fuse(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps)};
-      },
-      {randn({m, B, T, d}), randn({m, B, T}), randn({m, d}), randn({B, T, d}), randn({m - 1, d, K}, 0.5),
-       randn({m, m * d}, 0.05), randn({m}), randn({1})});
-  expect_thread_independent(
-      "mhc_pre",
-      [&](const std::vector<at::Tensor>& t) {
-        auto [h, post, res] = fused::mhc_pre(t[0], t[1], t[2], t[3], kKeyNormEps);
-        return std::vector<at::Tensor>{h, post, res};
-      },
-      {randn({P, m, d}), randn({m * m + 2 * m, m * d}, 0.05), randn({m * m + 2 * m}), randn({3}, 0.5)});
-  expect_thread_independent(
-      "mhc_sinkhorn",
-      [&](const std::vector<at::Tensor>& t) { return std::vector<at::Tensor>{fused::mhc_sinkhorn(t[0], 20)}; },
-      {randn({P, m, m})});
-  expect_thread_independent(
-      "mhc_merge",
-      [&](const std::vector<at::Tensor>& t) {
-        return std::vector<at::Tensor>{fused::mhc_merge(t[0], t[1], t[2], t[3])};
-      },
-      {randn({P, m, d}), randn({P, d}), randn({P, m}), randn({P, m, m})});
+  using Inputs = std::vector<at::Tensor>;
+  std::vector<OperatorCase> cases;
+  {
+    auto read = [](auto op) {
+      return [op](const Inputs& t) {
+        auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps);
+        return Inputs{out, lse};
+      };
+    };
+    cases.push_back({"depth_read", read(fused::depth_read), read(reference::depth_read),
+                     {randn({2, d}), randn({N, P, d}), randn({N, P, d})}});
+  }
+  {
+    auto merge = [](auto op) {
+      return [op](const Inputs& t) { return Inputs{op(t[0], t[1], t[2], t[3], t[4], kKeyNormEps)}; };
+    };
+    cases.push_back({"depth_merge", merge(fused::depth_merge), merge(reference::depth_merge),
+                     {randn({P, d}), randn({P}), randn({d}), randn({P, d}), randn({P, d})}});
+  }
+  {
+    auto read = [](auto op) {
+      return [op](const Inputs& t) {
+        fused::DarRead r = op(t[0], t[1].unbind(0), t[2].unbind(0), t[3], t[4], t[5], t[6], t[7], t[8], {1, 0},
+                              {0, 1}, kKeyNormEps);
+        return Inputs{r.h, r.beta};  // ζ: no gradient (and the reference leaves it undefined)
+      };
+    };
+    cases.push_back({"dar_read", read(fused::dar_read), read(reference::dar_read),
+                     {randn({2, d}), randn({N, P, d}), randn({N, P, d}), randn({P, d}), randn({P, d}),
+                      randn({2, 2 * d}, 0.1), randn({2}), randn({2, 2 * d}, 0.1), randn({2})}});
+  }
+  {
+    auto write = [](auto op) {
+      return [op](const Inputs& t) {
+        auto [p0, p1] = op(t[0], t[1], t[2], t[3], t[4], t[5], kKeyNormEps);
+        return Inputs{p0, p1};
+      };
+    };
+    cases.push_back({"dar_write", write(fused::dar_write), write(reference::dar_write),
+                     {randn({P, d}), at::rand({P, 2}, g) * 2, randn({P, d}), randn({P, d}), randn({1, 2 * d}, 0.1),
+                      randn({1})}});
+  }
+  {
+    auto read = [](auto op) {
+      return [op](const Inputs& t) {
+        auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, std::nullopt);
+        return Inputs{out, lse};
+      };
+    };
+    cases.push_back({"msar_read", read(fused::msar_read), read(reference::msar_read),
+                     {randn({m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)}});
+  }
+  {
+    auto fuse = [](auto op) {
+      return [op](const Inputs& t) {
+        return Inputs{op(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps, std::nullopt)};
+      };
+    };
+    cases.push_back({"msar_fuse", fuse(fused::msar_fuse), fuse(reference::msar_fuse),
+                     {randn({m, B, T, d}), randn({m, B, T}), randn({m, d}), randn({B, T, d}), randn({m - 1, d, K}, 0.5),
+                      randn({m, m * d}, 0.05), randn({m}), randn({1})}});
+  }
+  {
+    auto pre = [](auto op) {
+      return [op](const Inputs& t) {
+        auto [h, post, res] = op(t[0], t[1], t[2], t[3], kKeyNormEps);
+        return Inputs{h, post, res};
+      };
+    };
+    cases.push_back({"mhc_pre", pre(fused::mhc_pre), pre(reference::mhc_pre),
+                     {randn({P, m, d}), randn({m * m + 2 * m, m * d}, 0.05), randn({m * m + 2 * m}), randn({3}, 0.5)}});
+  }
+  {
+    auto sinkhorn = [](auto op) { return [op](const Inputs& t) { return Inputs{op(t[0], 20)}; }; };
+    cases.push_back({"mhc_sinkhorn", sinkhorn(fused::mhc_sinkhorn), sinkhorn(reference::mhc_sinkhorn),
+                     {randn({P, m, m})}});
+  }
+  {
+    auto merge = [](auto op) { return [op](const Inputs& t) { return Inputs{op(t[0], t[1], t[2], t[3])}; }; };
+    cases.push_back({"mhc_merge", merge(fused::mhc_merge), merge(reference::mhc_merge),
+                     {randn({P, m, d}), randn({P, d}), randn({P, m}), randn({P, m, m})}});
+  }
+  {  // [B, T, d] rows: the weight's gradient sums over all of them in fixed blocks of rows.
+    auto norm = [](auto op) { return [op](const Inputs& t) { return Inputs{op(t[0], t[1], 1e-5)}; }; };
+    cases.push_back({"rms_norm", norm(fused::rms_norm), norm(reference::rms_norm),
+                     {randn({B, T, d}, 2.0), at::rand({d}, g) + 0.5}});
+  }
+  {  // Grouped-query heads, at an offset into the tables (as decoding reads them).
+    const int64_t H = 4, KV = 2, hd = 8, offset = 3;
+    const Rope rope(hd, T + offset, 10000.0, at::kCPU);
+    auto rotate = [&rope](auto op) {
+      return [op, cos = rope.cos, sin = rope.sin](const Inputs& t) {
+        auto [q, k, v] = op(t[0], cos, sin, H, KV, offset);
+        return Inputs{q, k, v};
+      };
+    };
+    cases.push_back({"rope_qkv", rotate(fused::rope_qkv), rotate(reference::rope_qkv),
+                     {randn({B, T, (H + 2 * KV) * hd})}});
+  }
+  {
+    auto swiglu = [](auto op) { return [op](const Inputs& t) { return Inputs{op(t[0])}; }; };
+    cases.push_back({"swiglu", swiglu(fused::swiglu), swiglu(reference::swiglu), {randn({B, T, 96}, 4.0)}});
+  }
+  {  // V = 4,000: two chunks of tokens in float32 (8 MiB of logits each, ops/backbone_ops.cpp).
+    const int64_t V = 4000;
+    const at::Tensor targets = at::randint(V, {P}, g, at::TensorOptions().dtype(at::kLong));
+    auto loss = [&targets](auto op) {
+      return [op, targets](const Inputs& t) { return Inputs{op(t[0], t[1], targets)}; };
+    };
+    cases.push_back({"linear_cross_entropy", loss(fused::linear_cross_entropy), loss(reference::linear_cross_entropy),
+                     {randn({P, d}), randn({V, d}, 0.5)}});
+  }
+  return cases;
+}
+
+// Every fused operator gives the same outputs and gradients, bit for bit, on 1, 2 and 3 threads
+// (so a run's numbers do not depend on train.threads).
+TEST(FusedKernels, GradientsDoNotDependOnTheThreadCount) {
+  for (const OperatorCase& c : operator_cases()) expect_thread_independent(c.op.c_str(), c.fused, c.inputs);
 }
 
 }  // namespace depthkit::test

@@ -184,7 +184,7 @@ TEST(FusedBackbone, SecondDerivativesAreRefused) {
 // of every parameter (float64: the same function to rounding), dense and MoE.
 TEST(FusedBackbone, ModelEqualsReferenceComposition) {
   for (const char* extra : {"", "[moe]\nn_experts = 4\ntop_k = 2\nexpert_d_ff = 16\n"}) {
-    Config cfg = Config::parse(std::string("[model]\nn_layers = 2\nd_model = 16\nn_heads = 4\nn_kv_heads = 2\n"
+    Config cfg = parse_config(std::string("[model]\nn_layers = 2\nd_model = 16\nn_heads = 4\nn_kv_heads = 2\n"
                                            "d_ff = 24\nvocab_size = 50\nseq_len = 9\n[train]\nsteps = 1\n") + extra, "test");
     auto g = generator(9);
     const at::Tensor batch = at::randint(50, {3, 10}, g, at::TensorOptions().dtype(at::kLong));

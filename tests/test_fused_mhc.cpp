@@ -2,7 +2,7 @@
 // forward and every gradient, float64 within 1e-10 and float32 within 1e-5 relative, on shapes with
 // m = 1, 2, 4, odd d, B·T = 1 and larger, with random parameters that make H_res far from uniform;
 // a finite-difference gradient check in float64 for each op; bfloat16; the Mhc pathway with
-// impl = fused against impl = reference. Their timing: `depthkit bench --ops` (train/op_bench.cpp).
+// impl = fused against impl = reference. Their timing: `depthkit bench --ops` (bench/op_bench.cpp).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/amax.h>
@@ -20,7 +20,7 @@
 #include <cmath>
 #include <functional>
 
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/mhc_ops.h"
 #include "depthkit/ops/reference/reference.h"
@@ -262,7 +262,7 @@ TEST(FusedMhc, PathwayEqualsReference) {
 TEST(FusedMhc, ConfigAcceptsFusedForMhcKinds) {
   const std::string base = small_config("unused").to_toml();
   for (const char* kind : {"residual.kind=mhc", "residual.kind=attnres_mhc"})
-    EXPECT_EQ(Config::parse(base, "x.toml", {kind, "residual.impl=fused"}).residual.impl, "fused") << kind;
+    EXPECT_EQ(parse_config(base, "x.toml", {kind, "residual.impl=fused"}).residual.impl, "fused") << kind;
 }
 
 }  // namespace depthkit::test

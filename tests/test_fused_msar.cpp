@@ -4,7 +4,7 @@
 // on shapes with N = 1, T = 1, T below the largest kernel, odd d, B > 1 (the convolution must not
 // leak across batch rows); a finite-difference gradient check in float64; bfloat16; memory that
 // does not grow with m·N·T·d (a counting CPU allocator); the Msar pathway with impl = fused equal
-// to impl = reference. (Their timing: `depthkit bench --ops`, train/op_bench.cpp.)
+// to impl = reference. (Their timing: `depthkit bench --ops`, bench/op_bench.cpp.)
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -28,7 +28,7 @@
 #include <map>
 #include <optional>
 
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/reference.h"

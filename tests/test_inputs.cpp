@@ -205,16 +205,16 @@ TEST_F(RunDirectory, StateJsonFieldsAreValidated) {
 
 TEST(ConfigRanges, ProductsAndValuesThatCannotRunAreRefused) {
   const std::string base = "[train]\nsteps = 10\n";
-  expect_error([&] { Config::parse(base, "c.toml", {"model.rope_theta=inf"}); }, {"model.rope_theta", "finite"});
-  expect_error([&] { Config::parse("[model]\nrope_theta = nan\n[train]\nsteps = 1\n", "c.toml"); },
+  expect_error([&] { parse_config(base, "c.toml", {"model.rope_theta=inf"}); }, {"model.rope_theta", "finite"});
+  expect_error([&] { parse_config("[model]\nrope_theta = nan\n[train]\nsteps = 1\n", "c.toml"); },
                {"c.toml", "model.rope_theta", "finite"});
-  expect_error([&] { Config::parse("[train]\ntokens = 9223372036854775807\nmicro_batch = 1048576\n", "c.toml"); },
+  expect_error([&] { parse_config("[train]\ntokens = 9223372036854775807\nmicro_batch = 1048576\n", "c.toml"); },
                {"c.toml", "overflows 64 bits"});
   // The step count of a huge token budget is exact (no overflow to zero steps).
-  Config c = Config::parse("[train]\ntokens = 9223372036854775807\nmicro_batch = 1\ngrad_accum = 1\n[model]\nseq_len = 1\n", "c.toml");
+  Config c = parse_config("[train]\ntokens = 9223372036854775807\nmicro_batch = 1\ngrad_accum = 1\n[model]\nseq_len = 1\n", "c.toml");
   EXPECT_EQ(c.total_steps(), INT64_MAX);
-  expect_error([&] { Config::parse(base, "c.toml", {"model.n_layers=2\nmodel.d_model = 7"}); }, {"--set", "line break"});
-  expect_error([&] { Config::parse(base, "c.toml", {"data.dir=\"\""}); }, {"data.dir", "must not be empty"});
+  expect_error([&] { parse_config(base, "c.toml", {"model.n_layers=2\nmodel.d_model = 7"}); }, {"--set", "line break"});
+  expect_error([&] { parse_config(base, "c.toml", {"data.dir=\"\""}); }, {"data.dir", "must not be empty"});
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ struct PaperCount {
 TEST(Model, PaperParameterCounts) {
   for (PaperCount p : {PaperCount{"dense-0.1b", 98'325'120, 640}, PaperCount{"dense-0.3b", 304'129'024, 1024},
                        PaperCount{"dense-0.5b", 491'572'480, 1280}, PaperCount{"dense-1b", 1'069'631'488, 2048}}) {
-    Config c = Config::load(source_dir() + "/configs/paper/" + p.config + ".toml");
+    Config c = load_config(source_dir() + "/configs/paper/" + p.config + ".toml");
     Transformer m(c.model, c.residual, at::kMeta, 0);
     ParameterCounts n = m.count();
     EXPECT_EQ(n.non_vocab, p.non_vocab) << p.config;

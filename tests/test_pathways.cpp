@@ -37,7 +37,6 @@ namespace {
 
 const auto kF64 = at::TensorOptions().dtype(at::kDouble);
 
-at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // Relative closeness for float64 comparisons of two computations of the same equations.
 ::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
@@ -379,12 +378,8 @@ struct DarRef : Reference {
   }
 };
 
-// Randomises every parameter of the pathway (zeros hide bugs).
-void randomize(ParameterStore& params, uint64_t seed) {
-  auto g = gen(seed);
-  at::NoGradGuard no_grad;
-  for (const auto& p : params.all()) p.tensor.normal_(0.0, 0.7, g);
-}
+// The pathway's parameters drawn at a scale where every term of the equations shows.
+void randomize(ParameterStore& params, uint64_t seed) { test::randomize(params, seed, 0.7); }
 
 }  // namespace
 
@@ -644,7 +639,7 @@ TEST(AttnRes, ZeroQueriesReadUniformly) {
 // Parameter accounting: DAR Table A.3 and the figures.
 TEST(AttnRes, ParameterCounts) {
   for (auto [name, expect] : {std::pair{"dense-0.1b", int64_t(98'345'600)}, std::pair{"dense-0.3b", int64_t(304'169'984)}}) {
-    Config c = Config::load(source_dir() + "/configs/paper/" + name + ".toml", {"residual.kind=attnres", "residual.block_sublayers=1"});
+    Config c = load_config(source_dir() + "/configs/paper/" + name + ".toml", {"residual.kind=attnres", "residual.block_sublayers=1"});
     Transformer t(c.model, c.residual, at::kMeta, 0);
     EXPECT_EQ(t.count().non_vocab, expect) << name;
     EXPECT_EQ(t.count().residual, c.model.n_branches() * c.model.d_model) << name;
@@ -662,7 +657,7 @@ TEST(SharedWithinBlock, ReproducesDarTableA3BlockRows) {
   for (Row row : {Row{"dense-0.1b", 98.336, 98.449}, Row{"dense-0.3b", 304.151, 304.377},
                   Row{"dense-0.5b", 491.599, 491.882}, Row{"dense-1b", 1069.674, 1070.127}})
     for (const char* kind : {"attnres", "dar"}) {
-      Config c = Config::load(source_dir() + "/configs/paper/" + row.config + ".toml",
+      Config c = load_config(source_dir() + "/configs/paper/" + row.config + ".toml",
                               {cat("residual.kind=", kind), "residual.block_sublayers=4", "residual.share_within_block=true"});
       const int64_t d = c.model.d_model, blocks = c.model.n_branches() / 4;
       const ParameterCounts n = Transformer(c.model, c.residual, at::kMeta, 0).count();
@@ -716,9 +711,9 @@ TEST(Dar, EqualsTheEquations) {
 }
 
 TEST(Dar, BlockOfOneBranchIsRejectedWithTheReason) {
-  expect_error([] { Config::parse("[residual]\nkind = \"dar\"\nblock_sublayers = 1\n[train]\nsteps = 1\n", "x.toml"); },
+  expect_error([] { parse_config("[residual]\nkind = \"dar\"\nblock_sublayers = 1\n[train]\nsteps = 1\n", "x.toml"); },
                {"x.toml", "'residual.block_sublayers'", "collinear", "eq. 19-20"});
-  expect_error([] { Config::parse("[residual]\nkind = \"dar\"\nrouting = \"diagonal\"\n[train]\nsteps = 1\n", "x.toml"); },
+  expect_error([] { parse_config("[residual]\nkind = \"dar\"\nrouting = \"diagonal\"\n[train]\nsteps = 1\n", "x.toml"); },
                {"'residual.routing'", "\"cross\", \"self\", \"cross_value\", \"fixed\""});
 }
 
@@ -771,10 +766,12 @@ std::vector<std::vector<std::string>> model_kinds() {
           {"residual.kind=attnres_mhc", "residual.block_sublayers=2"}};
 }
 
+TEST(Pathways, ModelKindsReachEveryKind) { expect_every_kind(model_kinds(), "model_kinds()"); }
+
 TEST(Pathways, EveryKindIsCausal) {
   for (const auto& sets : model_kinds()) {
     SCOPED_TRACE(sets.front() + (sets.size() > 1 ? " " + sets[1] : ""));
-    Config c = Config::parse(small_config("unused").to_toml(), "small", sets);
+    Config c = parse_config(small_config("unused").to_toml(), "small", sets);
     Transformer m(c.model, c.residual, at::kCPU, 3);
     {
       auto g = gen(8);
@@ -804,7 +801,7 @@ TEST(Pathways, EveryKindTrains) {
   for (const auto& sets : model_kinds()) {
     SCOPED_TRACE(sets.front() + " " + sets.back());
     TrainOptions o;
-    o.config = Config::parse(small_config(d.str("data")).to_toml(), "small", sets);
+    o.config = parse_config(small_config(d.str("data")).to_toml(), "small", sets);
     o.config.train.steps = 150;
     o.config.train.eval_every = 0;
     o.config.optim.lr = 1e-2;
@@ -854,7 +851,7 @@ TEST(Mhc, ModuleResidualMixIsColumnStochastic) {
 TEST(Dar, TrainingBreaksTheStreamSymmetry) {
   // Streams that differ only by a positive factor per token are collinear (eq. 20). Starting near
   // symmetry, a few optimizer steps must make the completed entries' two streams point apart.
-  Config c = Config::parse(small_config("unused").to_toml(), "small", {"residual.kind=dar", "residual.block_sublayers=2"});
+  Config c = parse_config(small_config("unused").to_toml(), "small", {"residual.kind=dar", "residual.block_sublayers=2"});
   Transformer model(c.model, c.residual, at::kCPU, 1);
   auto g = gen(6);
   at::Tensor batch = at::randint(c.model.vocab_size, {4, c.model.seq_len + 1}, g);

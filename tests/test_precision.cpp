@@ -23,7 +23,6 @@ namespace depthkit::test {
 
 namespace {
 
-at::Generator gen(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
 
 // bfloat16 keeps 8 significant bits: one rounding changes a value by at most u = 2^-8 relative.
 constexpr double kBf16Unit = 1.0 / 256.0;
@@ -47,7 +46,7 @@ std::vector<std::vector<std::string>> precision_kinds() {
 Config precision_config(std::vector<std::string> sets, const std::string& impl) {
   sets.push_back("residual.impl=" + impl);
   sets.push_back("model.init_std=0.2");
-  return Config::parse(small_config("unused").to_toml(), "small", sets);
+  return parse_config(small_config("unused").to_toml(), "small", sets);
 }
 
 // The pathway's parameters drawn at random (their zero initialisations hide what a precision
@@ -76,10 +75,10 @@ TEST(Precision, ComputeDtypeFollowsTrainDtype) {
   Config c = small_config("unused");
   EXPECT_EQ(c.train.dtype, "float32");
   EXPECT_EQ(compute_dtype_of(c.train), at::kFloat);
-  c = Config::parse(c.to_toml(), "small", {"train.dtype=bfloat16"});
+  c = parse_config(c.to_toml(), "small", {"train.dtype=bfloat16"});
   EXPECT_EQ(compute_dtype_of(c.train), at::kBFloat16);
-  EXPECT_EQ(Config::parse(c.to_toml(), "resolved").train.dtype, "bfloat16");
-  expect_error([&] { Config::parse(c.to_toml(), "small", {"train.dtype=float16"}); },
+  EXPECT_EQ(parse_config(c.to_toml(), "resolved").train.dtype, "bfloat16");
+  expect_error([&] { parse_config(c.to_toml(), "small", {"train.dtype=float16"}); },
                {"train.dtype", "\"float32\", \"bfloat16\""});
   expect_error([&] { Transformer(c.model, c.residual, at::kCPU, 1, at::kFloat, at::kHalf); },
                {"float32, float64 or bfloat16"});
@@ -271,9 +270,10 @@ TEST(KernelChoice, PathwaysChooseByTheModelsDevice) {
       {"msar", {"msar_fuse", "msar_read"}},
       {"mhc", {"mhc_merge", "mhc_pre", "mhc_sinkhorn"}},
       {"attnres_mhc", {"depth_read", "mhc_merge", "mhc_pre", "mhc_sinkhorn"}}};
+  for (const auto& kind : pathway_kind_names()) EXPECT_TRUE(expected.count(kind)) << kind << " has no expected operators";
   for (const auto& [kind, ops] : expected) {
     SCOPED_TRACE(kind);
-    Config c = Config::parse(small_config("unused").to_toml(), "small", {"residual.kind=" + kind});
+    Config c = parse_config(small_config("unused").to_toml(), "small", {"residual.kind=" + kind});
     Transformer cpu(c.model, c.residual, at::kCPU, 1);
     ::testing::internal::CaptureStderr();
     Transformer meta(c.model, c.residual, at::kMeta, 1);

@@ -1,6 +1,7 @@
 // Downstream evaluation (eval/tasks.h, eval/cloze.h): batched scoring against a naive forward per
 // candidate, the schema mappings, few-shot draws, left truncation, standard errors, malformed
-// lines, the built-in cloze task's construction, and generation tasks against generate().
+// lines, the built-in cloze task's construction, generation tasks against generate(), and the
+// task-type table's completeness.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/tensor.h>
@@ -322,6 +323,44 @@ TEST(TasksSchema, MappingsGiveTheSameItems) {
   EXPECT_EQ(extract_answer("x = 17;", "\\d+"), "17");  // no group: the whole match
   EXPECT_EQ(cut_at_stop(" 4.\nQ: next", gen.stop), " 4");
   EXPECT_EQ(cut_at_stop(" 4", gen.stop), " 4");
+}
+
+// The task-type table (eval/task_types.h): an entry for every TaskType, in TaskType order, with
+// every field set, so that a type added without its entry fails here rather than being reported
+// as another type. Each entry's names are its own and found again, no reader takes a line of no
+// schema, and a result of the type writes its primary metric under the key the entry names, with
+// the value primary() reads.
+TEST(TaskTypes, TableCoversEveryTypeCompletely) {
+  const size_t n = size_t(TaskType::kCount);
+  ASSERT_EQ(task_types().size(), n) << "a TaskType lacks its entry in eval/task_types.cpp";
+  std::set<std::string> names, json_names;
+  for (size_t i = 0; i < n; ++i) {
+    const TaskType type = TaskType(i);
+    const TaskTypeInfo& t = task_type_info(type);
+    ASSERT_EQ(t.type, type) << "entry " << i << " is not in TaskType order";
+    for (const char* text : {t.name, t.json_name, t.metric, t.metric_label})
+      ASSERT_TRUE(text != nullptr && *text != '\0') << "entry " << i << " lacks a name, metric or label";
+    ASSERT_TRUE(t.primary && t.metric_note && t.read_item && t.shot && t.evaluate && t.write_json && t.text)
+        << t.name << " lacks a function";
+    EXPECT_TRUE(names.insert(t.name).second) << t.name;
+    EXPECT_TRUE(json_names.insert(t.json_name).second) << t.json_name;
+    EXPECT_EQ(find_task_type(t.json_name), &t);
+    EXPECT_FALSE(t.read_item(nlohmann::json{{"text", "c"}}, "f.jsonl", 1)) << t.name << " reads a line of no schema";
+    TaskResult r;
+    r.type = type;
+    r.*t.primary = Accuracy{0.625, 0.125};
+    EXPECT_EQ(&r.primary(), &(r.*t.primary));
+    EXPECT_STREQ(r.primary_metric(), t.metric);
+    const nlohmann::json j = r.to_json();
+    EXPECT_EQ(j["type"], t.json_name);
+    EXPECT_EQ(j["metric"], t.metric);
+    EXPECT_EQ(j["accuracy"][t.metric]["value"], 0.625) << j.dump();
+    EXPECT_TRUE(j.contains("chance")) << j.dump();
+    EXPECT_NE(r.to_text().find(" 62.5 % ± 12.5"), std::string::npos) << r.to_text();
+    EXPECT_FALSE(t.metric_note(nlohmann::json{{"chance", 0.5}}).empty());
+  }
+  EXPECT_EQ(find_task_type("no_such_type"), nullptr);
+  expect_error([] { task_type_info(TaskType::kCount); }, {cat("task type ", size_t(TaskType::kCount), " has no entry")});
 }
 
 // Few-shot draws: the same for the same seed and item, only dev items, never the scored item

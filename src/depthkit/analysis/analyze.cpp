@@ -16,10 +16,9 @@
 #include "depthkit/analysis/plots.h"
 #include "depthkit/config/config.h"
 #include "depthkit/data/loader.h"
+#include "depthkit/eval/run_model.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/pathways/registry.h"
-#include "depthkit/train/checkpoint.h"
-#include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 
@@ -126,16 +125,161 @@ void write_figure(const fs::path& out, const std::string& what, const nlohmann::
   render_plot(what, out / (what + ".json"), out / (what + ".png"));
 }
 
+// What every analysis reads: the model, its input, and its clean pass over that input.
+struct CleanPass {
+  Transformer& model;
+  at::Tensor tokens;  // [B, T]
+  int64_t T, P, L;    // seq_len, the positions analysed (the last P), layers
+  std::string title;  // "<run> (<kind>, step N)", for the figures' titles
+  Collector collect{P};  // retrieval weights and write gates
+  // [layer][stream]: the post-MLP states [B·P, d]
+  std::vector<std::vector<at::Tensor>> states = std::vector<std::vector<at::Tensor>>(size_t(L + 1));
+  int64_t streams = 0;
+  at::Tensor log_probs = at::Tensor();  // [B·P, V] float64, of the last P positions
+
+  at::Tensor tail_log_probs(const at::Tensor& logits) const {  // [B, T, V] → [B·P, V] float64
+    return at::log_softmax(logits.narrow(1, T - P, P).reshape({-1, logits.size(-1)}).to(at::kDouble), -1);
+  }
+  void run() {  // retrieval weights, gates, post-MLP states, log-probabilities
+    Hooks clean;
+    clean.observer = &collect;
+    clean.post_mlp = [&](int64_t layer, const std::vector<at::Tensor>& s) {
+      for (const at::Tensor& x : s) states[layer].push_back(x.narrow(1, T - P, P).reshape({-1, x.size(-1)}).clone());
+    };
+    log_probs = tail_log_probs(forward(model, tokens, clean));
+    streams = states[1].empty() ? 0 : int64_t(states[1].size());
+  }
+};
+
+// `sequences` windows of the validation split of data_dir, spread over it: [sequences, T].
+at::Tensor validation_tokens(const std::string& data_dir, const Config& cfg, int64_t sequences) {
+  const int64_t T = cfg.model.seq_len;
+  TokenDataset val(data_dir, "val", cfg.model.vocab_size);
+  const int64_t windows = val.windows(T);
+  if (windows < sequences)
+    fail(data_dir, ": validation split has ", windows, " windows of ", T + 1, " tokens, fewer than --sequences ",
+         sequences);
+  at::Tensor batch = at::empty({sequences, T + 1}, at::kLong);
+  for (int64_t i = 0; i < sequences; ++i)
+    val.read_window(i * (windows / sequences), T, batch.data_ptr<int64_t>() + i * (T + 1));
+  return batch.narrow(1, 0, T).contiguous();
+}
+
+// Retrieval maps: the mean depth-attention weight of each read (pre-attention, pre-MLP, readout)
+// on each source, per layer and stream.
+nlohmann::json retrieval_maps(const CleanPass& pass) {
+  int64_t n_cols = 0, n_streams = 0;
+  for (auto& [key, m] : pass.collect.weights) {
+    n_cols = std::max<int64_t>(n_cols, m.sum.size(0));
+    n_streams = std::max<int64_t>(n_streams, key.second + 1);
+  }
+  nlohmann::json labels = {"emb"};
+  for (int64_t c = 1; c < n_cols; ++c) labels.push_back(cat("b", c));
+  nlohmann::json maps = {{"title", "retrieval maps: " + pass.title}, {"source_labels", labels},
+                         {"streams", nlohmann::json::array()}};
+  for (int64_t j = 0; j < n_streams; ++j) {
+    std::vector<std::vector<double>> reads[2];  // pre-attention, pre-MLP: [layer][source]
+    for (int64_t layer = 1; layer <= pass.L; ++layer)
+      for (int r = 0; r < 2; ++r) {
+        std::vector<double> row(size_t(n_cols), NAN);
+        auto it = pass.collect.weights.find({2 * layer - 1 + r, j});
+        if (it != pass.collect.weights.end()) {
+          auto v = it->second.values();
+          std::copy(v.begin(), v.end(), row.begin());
+        }
+        reads[r].push_back(row);
+      }
+    nlohmann::json s = {{"stream", j}, {"pre_attention", matrix_json(reads[0])}, {"pre_mlp", matrix_json(reads[1])}};
+    if (auto it = pass.collect.weights.find({2 * pass.L + 1, j}); it != pass.collect.weights.end())
+      s["readout"] = it->second.values();
+    maps["streams"].push_back(s);
+  }
+  return maps;
+}
+
+// Linear CKA between the post-MLP states of every pair of streams, layer against layer.
+nlohmann::json cross_stream_cka(const CleanPass& pass) {
+  const int64_t L = pass.L;
+  nlohmann::json cka = {{"title", "cross-stream CKA of post-MLP states: " + pass.title}, {"layers", L},
+                        {"pairs", nlohmann::json::array()}};
+  for (int64_t a = 0; a < pass.streams; ++a)
+    for (int64_t b = a + 1; b < pass.streams; ++b) {
+      std::vector<std::vector<double>> m(static_cast<size_t>(L), std::vector<double>(static_cast<size_t>(L)));
+      for (int64_t i = 1; i <= L; ++i)
+        for (int64_t k = 1; k <= L; ++k) m[i - 1][k - 1] = linear_cka(pass.states[i][a], pass.states[k][b]);
+      cka["pairs"].push_back({{"a", a}, {"b", b}, {"matrix", matrix_json(m)}});
+    }
+  return cka;
+}
+
+// Rescue gain after each layer's MLP: 1 − KL(clean ‖ keep stream j only) / KL(clean ‖ zero all).
+// gain[stream][layer − 1] is filled for the gate analysis.
+nlohmann::json rescue_gain(const CleanPass& pass, std::vector<std::vector<double>>& gain) {
+  gain.assign(size_t(pass.streams), {});
+  nlohmann::json kl_zero = nlohmann::json::array(), kl_keep = nlohmann::json::array();
+  for (int64_t layer = 1; layer <= pass.L; ++layer) {
+    auto kl_after = [&](int64_t keep) {  // keep = −1: zero every stream
+      Hooks h;
+      h.intervene_layer = layer;
+      h.replace = [keep](const std::vector<at::Tensor>& s) {
+        std::vector<at::Tensor> r;
+        for (size_t i = 0; i < s.size(); ++i) r.push_back(int64_t(i) == keep ? s[i] : at::zeros_like(s[i]));
+        return r;
+      };
+      return mean_kl(pass.log_probs, pass.tail_log_probs(forward(pass.model, pass.tokens, h)));
+    };
+    const double zero = kl_after(-1);
+    kl_zero.push_back(zero);
+    nlohmann::json keeps = nlohmann::json::array();
+    for (int64_t j = 0; j < pass.streams; ++j) {
+      const double kl = kl_after(j);
+      keeps.push_back(kl);
+      gain[j].push_back(1.0 - kl / std::max(zero, 1e-12));
+    }
+    kl_keep.push_back(keeps);
+  }
+  nlohmann::json layers = nlohmann::json::array(), per_stream = nlohmann::json::array();
+  for (int64_t i = 1; i <= pass.L; ++i) layers.push_back(i);
+  for (int64_t j = 0; j < pass.streams; ++j) per_stream.push_back({{"stream", j}, {"gain", gain[j]}});
+  return {{"title", "rescue gain after each layer's MLP: " + pass.title}, {"layers", layers},
+          {"streams", per_stream}, {"kl_zero_all", kl_zero}, {"kl_keep", kl_keep}};
+}
+
+// DAR's gate asymmetry: per layer, the MLP branch's write-gate gap g = β₁ − β₀ against the rescue
+// gap d = gain₁ − gain₀, and their Pearson correlation.
+nlohmann::json gate_asymmetry(const CleanPass& pass, const std::vector<std::vector<double>>& gain) {
+  std::vector<double> g, d;
+  nlohmann::json layers = nlohmann::json::array();
+  for (int64_t layer = 1; layer <= pass.L; ++layer) {
+    auto beta = pass.collect.gates.at(2 * layer).values();  // the MLP branch's write gates
+    g.push_back(beta[1] - beta[0]);
+    d.push_back(gain[1][layer - 1] - gain[0][layer - 1]);
+    layers.push_back(layer);
+  }
+  double mg = 0, md = 0, abs_g = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    mg += g[i] / double(g.size());
+    md += d[i] / double(d.size());
+    abs_g += std::abs(g[i]) / double(g.size());
+  }
+  double sgd = 0, sgg = 0, sdd = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    sgd += (g[i] - mg) * (d[i] - md);
+    sgg += (g[i] - mg) * (g[i] - mg);
+    sdd += (d[i] - md) * (d[i] - md);
+  }
+  const double r = sgg > 0 && sdd > 0 ? sgd / std::sqrt(sgg * sdd) : NAN;
+  return {{"title", "write-gate and rescue gaps: " + pass.title}, {"layers", layers}, {"g", g}, {"d", d},
+          {"pearson", std::isnan(r) ? nlohmann::json() : nlohmann::json(r)}, {"mean_abs_g", abs_g}};
+}
+
 }  // namespace
 
 nlohmann::json run_analyze(const AnalyzeOptions& opt) {
   if (opt.sequences < 1) fail("analyze: --sequences must be at least 1, got ", opt.sequences);
   if (opt.positions < 1) fail("analyze: --positions must be at least 1, got ", opt.positions);
-  require_directory(opt.run_dir, "a run directory");
-  auto dir = find_checkpoint(opt.run_dir, opt.checkpoint);
-  if (!dir) fail(opt.run_dir.string(), ": run has no checkpoint", opt.checkpoint.empty() ? "" : " named " + opt.checkpoint);
-  Checkpoint ck = load_checkpoint(*dir, false);
-  const Config cfg = Config::parse(ck.state.config_toml, (*dir / "state.json").string());
+  const RunModel run = load_run_model(opt.run_dir, opt.checkpoint, RunPrecision::float32);
+  const Config& cfg = run.config;
   const std::string kind = cfg.residual.kind;
   const auto supported = supported_analyses(kind);
   std::vector<std::string> what = opt.what.empty() ? supported : opt.what;
@@ -146,155 +290,34 @@ nlohmann::json run_analyze(const AnalyzeOptions& opt) {
     if (std::find(supported.begin(), supported.end(), w) == supported.end())
       fail("analyze: --what ", w, " does not apply to residual.kind \"", kind, "\" (it supports: ", join(supported), ")");
   }
-  const int64_t T = cfg.model.seq_len, L = cfg.model.n_layers;
+  const int64_t T = cfg.model.seq_len;
   if (opt.positions > T) fail("analyze: --positions ", opt.positions, " exceeds the model's seq_len ", T);
-
-  Transformer model(cfg.model, cfg.residual, at::kCPU, 0);
-  model.parameters().load(ck.model.tensors, (*dir / "model.safetensors").string());
   const std::string data_dir = opt.data.empty() ? cfg.data.dir : opt.data;
-  TokenDataset val(data_dir, "val", cfg.model.vocab_size);
-  const int64_t windows = val.windows(T);
-  if (windows < opt.sequences)
-    fail(data_dir, ": validation split has ", windows, " windows of ", T + 1, " tokens, fewer than --sequences ",
-         opt.sequences);
-  at::Tensor batch = at::empty({opt.sequences, T + 1}, at::kLong);
-  for (int64_t i = 0; i < opt.sequences; ++i)  // spread over the split
-    val.read_window(i * (windows / opt.sequences), T, batch.data_ptr<int64_t>() + i * (T + 1));
-  const at::Tensor tokens = batch.narrow(1, 0, T).contiguous();
+  const at::Tensor tokens = validation_tokens(data_dir, cfg, opt.sequences);
 
   const fs::path out = opt.out.empty() ? opt.run_dir / "analysis" : opt.out;
   fs::create_directories(out);
   c10::NoGradGuard no_grad;
-  const int64_t P = opt.positions;
-  auto tail_log_probs = [&](const at::Tensor& logits) {  // [B, T, V] → [B·P, V] float64
-    return at::log_softmax(logits.narrow(1, T - P, P).reshape({-1, logits.size(-1)}).to(at::kDouble), -1);
-  };
+  CleanPass pass{*run.model, tokens, T, opt.positions, cfg.model.n_layers,
+                 cat(opt.run_dir.filename().string(), " (", kind, ", step ", run.step, ")")};
+  pass.run();
 
-  // The clean pass: retrieval weights, gates, post-MLP states.
-  Collector collect(P);
-  std::vector<std::vector<at::Tensor>> states(L + 1);  // [layer][stream]: [B·P, d]
-  Hooks clean;
-  clean.observer = &collect;
-  clean.post_mlp = [&](int64_t layer, const std::vector<at::Tensor>& s) {
-    for (const at::Tensor& x : s) states[layer].push_back(x.narrow(1, T - P, P).reshape({-1, x.size(-1)}).clone());
-  };
-  const at::Tensor clean_log_probs = tail_log_probs(forward(model, tokens, clean));
-  const int64_t streams = states[1].empty() ? 0 : int64_t(states[1].size());
-
-  const std::string title_run = cat(opt.run_dir.filename().string(), " (", kind, ", step ", ck.state.step, ")");
-  nlohmann::json result = {{"run_dir", opt.run_dir.string()}, {"checkpoint", dir->string()}, {"kind", kind},
-                           {"step", ck.state.step}, {"sequences", opt.sequences}, {"positions", P},
+  nlohmann::json result = {{"run_dir", opt.run_dir.string()}, {"checkpoint", run.checkpoint.string()}, {"kind", kind},
+                           {"step", run.step}, {"sequences", opt.sequences}, {"positions", opt.positions},
                            {"seq_len", T}, {"data", data_dir}};
   auto wants = [&](const char* w) { return std::find(what.begin(), what.end(), w) != what.end(); };
-
-  if (wants("maps")) {
-    int64_t n_cols = 0, n_streams = 0;
-    for (auto& [key, m] : collect.weights) {
-      n_cols = std::max<int64_t>(n_cols, m.sum.size(0));
-      n_streams = std::max<int64_t>(n_streams, key.second + 1);
-    }
-    nlohmann::json labels = {"emb"};
-    for (int64_t c = 1; c < n_cols; ++c) labels.push_back(cat("b", c));
-    nlohmann::json maps = {{"title", "retrieval maps: " + title_run}, {"source_labels", labels},
-                           {"streams", nlohmann::json::array()}};
-    for (int64_t j = 0; j < n_streams; ++j) {
-      std::vector<std::vector<double>> reads[2];  // pre-attention, pre-MLP: [layer][source]
-      for (int64_t layer = 1; layer <= L; ++layer)
-        for (int r = 0; r < 2; ++r) {
-          std::vector<double> row(size_t(n_cols), NAN);
-          auto it = collect.weights.find({2 * layer - 1 + r, j});
-          if (it != collect.weights.end()) {
-            auto v = it->second.values();
-            std::copy(v.begin(), v.end(), row.begin());
-          }
-          reads[r].push_back(row);
-        }
-      nlohmann::json s = {{"stream", j}, {"pre_attention", matrix_json(reads[0])}, {"pre_mlp", matrix_json(reads[1])}};
-      if (auto it = collect.weights.find({2 * L + 1, j}); it != collect.weights.end())
-        s["readout"] = it->second.values();
-      maps["streams"].push_back(s);
-    }
-    write_figure(out, "maps", maps);
-    result["maps"] = maps;
-  }
-
-  if (wants("cka")) {
-    nlohmann::json cka = {{"title", "cross-stream CKA of post-MLP states: " + title_run}, {"layers", L},
-                          {"pairs", nlohmann::json::array()}};
-    for (int64_t a = 0; a < streams; ++a)
-      for (int64_t b = a + 1; b < streams; ++b) {
-        std::vector<std::vector<double>> m(static_cast<size_t>(L), std::vector<double>(static_cast<size_t>(L)));
-        for (int64_t i = 1; i <= L; ++i)
-          for (int64_t k = 1; k <= L; ++k) m[i - 1][k - 1] = linear_cka(states[i][a], states[k][b]);
-        cka["pairs"].push_back({{"a", a}, {"b", b}, {"matrix", matrix_json(m)}});
-      }
-    write_figure(out, "cka", cka);
-    result["cka"] = cka;
-  }
-
-  std::vector<std::vector<double>> gain(static_cast<size_t>(streams));  // [stream][layer − 1]
+  auto figure = [&](const char* name, nlohmann::json data) {
+    write_figure(out, name, data);
+    result[name] = std::move(data);
+  };
+  if (wants("maps")) figure("maps", retrieval_maps(pass));
+  if (wants("cka")) figure("cka", cross_stream_cka(pass));
+  std::vector<std::vector<double>> gain;  // [stream][layer − 1]
   if (wants("rescue") || wants("gates")) {
-    nlohmann::json kl_zero = nlohmann::json::array(), kl_keep = nlohmann::json::array();
-    for (int64_t layer = 1; layer <= L; ++layer) {
-      auto kl_after = [&](int64_t keep) {  // keep = −1: zero every stream
-        Hooks h;
-        h.intervene_layer = layer;
-        h.replace = [keep](const std::vector<at::Tensor>& s) {
-          std::vector<at::Tensor> r;
-          for (size_t i = 0; i < s.size(); ++i) r.push_back(int64_t(i) == keep ? s[i] : at::zeros_like(s[i]));
-          return r;
-        };
-        return mean_kl(clean_log_probs, tail_log_probs(forward(model, tokens, h)));
-      };
-      const double zero = kl_after(-1);
-      kl_zero.push_back(zero);
-      nlohmann::json keeps = nlohmann::json::array();
-      for (int64_t j = 0; j < streams; ++j) {
-        const double kl = kl_after(j);
-        keeps.push_back(kl);
-        gain[j].push_back(1.0 - kl / std::max(zero, 1e-12));
-      }
-      kl_keep.push_back(keeps);
-    }
-    nlohmann::json layers = nlohmann::json::array(), per_stream = nlohmann::json::array();
-    for (int64_t i = 1; i <= L; ++i) layers.push_back(i);
-    for (int64_t j = 0; j < streams; ++j) per_stream.push_back({{"stream", j}, {"gain", gain[j]}});
-    nlohmann::json rescue = {{"title", "rescue gain after each layer's MLP: " + title_run}, {"layers", layers},
-                             {"streams", per_stream}, {"kl_zero_all", kl_zero}, {"kl_keep", kl_keep}};
-    if (wants("rescue")) {
-      write_figure(out, "rescue", rescue);
-      result["rescue"] = rescue;
-    }
+    nlohmann::json rescue = rescue_gain(pass, gain);
+    if (wants("rescue")) figure("rescue", std::move(rescue));
   }
-
-  if (wants("gates")) {
-    std::vector<double> g, d;
-    nlohmann::json layers = nlohmann::json::array();
-    for (int64_t layer = 1; layer <= L; ++layer) {
-      auto beta = collect.gates.at(2 * layer).values();  // the MLP branch's write gates
-      g.push_back(beta[1] - beta[0]);
-      d.push_back(gain[1][layer - 1] - gain[0][layer - 1]);
-      layers.push_back(layer);
-    }
-    double mg = 0, md = 0, abs_g = 0;
-    for (size_t i = 0; i < g.size(); ++i) {
-      mg += g[i] / double(g.size());
-      md += d[i] / double(d.size());
-      abs_g += std::abs(g[i]) / double(g.size());
-    }
-    double sgd = 0, sgg = 0, sdd = 0;
-    for (size_t i = 0; i < g.size(); ++i) {
-      sgd += (g[i] - mg) * (d[i] - md);
-      sgg += (g[i] - mg) * (g[i] - mg);
-      sdd += (d[i] - md) * (d[i] - md);
-    }
-    const double r = sgg > 0 && sdd > 0 ? sgd / std::sqrt(sgg * sdd) : NAN;
-    nlohmann::json gates = {{"title", "write-gate and rescue gaps: " + title_run}, {"layers", layers}, {"g", g},
-                            {"d", d}, {"pearson", std::isnan(r) ? nlohmann::json() : nlohmann::json(r)},
-                            {"mean_abs_g", abs_g}};
-    write_figure(out, "gates", gates);
-    result["gates"] = gates;
-  }
+  if (wants("gates")) figure("gates", gate_asymmetry(pass, gain));
   write_file_atomic(out / "analysis.json", result.dump(1) + "\n");
   return result;
 }

@@ -24,6 +24,9 @@
 // Tasks are scored in this process after training, each result kept in OUT/tasks/ and reused while
 // the task file and the checkpoint's step are the same; they are not part of the spec a --resume
 // must repeat, so tasks can be added to a finished comparison.
+//
+// The code: compare_spec.cpp loads and checks a spec, compare.cpp trains the runs and scores the
+// tasks, compare_report.cpp writes results.json, the table and the curves.
 #pragma once
 #include <cstdint>
 #include <filesystem>

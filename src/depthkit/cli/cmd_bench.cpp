@@ -7,9 +7,10 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
-#include "depthkit/eval/decode_bench.h"
-#include "depthkit/train/op_bench.h"
-#include "depthkit/train/bench.h"
+#include "depthkit/bench/decode_bench.h"
+#include "depthkit/bench/op_bench.h"
+#include "depthkit/bench/bench.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/numbers.h"
 
@@ -147,10 +148,10 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
               "copy bound: the speedup of an op that moved those bytes at the speed of a plain copy (same run),\n"
               "after the work both must do (mhc_pre: its three GEMMs, timed alone)\n\n",
               (long long)repeats);
-  std::printf("%-12s %-28s %12s %9s %8s %9s %8s %10s\n", "op", "shape", "reference ms", "fused ms", "speedup",
+  std::printf("%-20s %-28s %12s %9s %8s %9s %8s %10s\n", "op", "shape", "reference ms", "fused ms", "speedup",
               "fused GB/s", "of copy", "copy bound");
   for (const auto& o : r.ops)
-    std::printf("%-12s %-28s %12.3f %9.3f %7.2fx %9.2f %7.0f%% %9.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms,
+    std::printf("%-20s %-28s %12.3f %9.3f %7.2fx %9.2f %7.0f%% %9.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms,
                 o.fused_ms, o.speedup(), o.gbs(), 100.0 * o.gbs() / o.copy_gbs, o.copy_bound_speedup());
   std::printf("\nfused depth_read forward bandwidth against a plain copy in the same run:\n");
   for (const auto& b : r.bandwidth)
@@ -190,20 +191,155 @@ int print_decoding(const Config& cfg, const std::vector<std::string>& kinds, con
   return 0;
 }
 
+// The bench command's arguments (add_bench).
+struct BenchArgs : ConfigArgs {
+  std::string kinds, ops, decode;
+  std::vector<std::string> variants;
+  int64_t steps = 20, warmup = 3, profile = 0, top = 25;
+};
+
+// The --variant options, parsed, each name given once.
+std::vector<BenchVariant> parse_variants(const std::vector<std::string>& specs) {
+  std::vector<BenchVariant> variants;
+  for (const auto& spec : specs) {
+    variants.push_back(parse_variant(spec));
+    for (size_t j = 0; j + 1 < variants.size(); ++j)
+      if (variants[j].name == variants.back().name) fail("--variant: the name '", variants.back().name, "' is given twice");
+  }
+  return variants;
+}
+
+// Every run's figures as JSON: one object for a single run, {"runs": [...]} for several.
+void print_runs_json(const std::vector<BenchResult>& results, bool several, bool profile) {
+  const double base = results[0].median_step_s;
+  nlohmann::json runs = nlohmann::json::array();
+  for (const auto& r : results)
+    runs.push_back({{"kind", r.kind},
+                    {"variant", r.name},
+                    {"overrides", r.overrides},
+                    {"median_step_s", r.median_step_s},
+                    {"tokens_per_s", r.tokens_per_s},
+                    {"tokens_per_step", r.tokens_per_step},
+                    {"overhead", r.median_step_s / base - 1.0},
+                    {"overhead_ms", (r.median_step_s - base) * 1e3},
+                    {"ratio", r.median_step_s / base},
+                    // the pathway's bytes per step (`depthkit cost`, forward and backward)
+                    // at the copy's speed; the bound is what the first kind's leaves over
+                    {"traffic_bytes_per_step", r.traffic_bytes},
+                    {"copy_gbs", r.copy_gbs},
+                    {"traffic_ms", r.traffic_ms()},
+                    {"traffic_bound_ms", r.traffic_ms() - results[0].traffic_ms()},
+                    {"peak_rss_bytes", r.peak_rss_bytes},
+                    {"peak_tensor_bytes", r.peak_tensor_bytes},
+                    {"device", r.device},
+                    // null: not counted (the CPU, whose tensors peak_tensor_bytes counts)
+                    {"peak_device_bytes",
+                     r.peak_device_bytes >= 0 ? nlohmann::json(r.peak_device_bytes) : nlohmann::json(nullptr)},
+                    {"parameters", r.parameters},
+                    {"active_parameters", r.active_parameters},
+                    // null: a dense model (or a device whose memory is not counted)
+                    {"dispatch", dispatch_json(r)},
+                    {"step_s", r.step_s}});
+  if (profile)
+    for (size_t k = 0; k < results.size(); ++k) runs[k]["profile"] = profile_json(results[k]);
+  std::printf("%s\n", (several ? nlohmann::json{{"runs", runs}} : runs[0]).dump().c_str());
+}
+
+// Whether the runs' device memory is counted (on a GPU): then a table's memory column is the
+// device's, as the CPU's tensors are only the batches.
+bool device_memory(const std::vector<BenchResult>& results) { return results[0].peak_device_bytes >= 0; }
+
+// A run's figure in a table's memory column, in MiB.
+double table_memory_mib(const BenchResult& r, bool device_memory) {
+  return double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20);
+}
+
+// One run (no --kinds, no --variant): a line.
+void print_single(const BenchResult& r, const BenchArgs& a) {
+  const std::string device_peak = r.peak_device_bytes >= 0
+                                      ? cat(", peak ", r.device, " memory ", double(r.peak_device_bytes) / (1 << 20), " MiB")
+                                      : "";
+  std::printf("%s: median step %.2f ms, %.0f tokens/s, peak tensor memory %.1f MiB%s, peak RSS %.1f MiB "
+              "(%lld steps after %lld warm-up, on %s)\n",
+              r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
+              device_peak.c_str(), double(r.peak_rss_bytes) / (1 << 20), (long long)a.steps, (long long)a.warmup,
+              r.device.c_str());
+}
+
+// --variant: a row per variant, ratios against the first, then each variant's overrides.
+void print_variants(const std::vector<BenchResult>& results, const BenchArgs& a) {
+  const double base = results[0].median_step_s;
+  std::printf("%-14s %10s %10s %9s %11s %12s   (interleaved, medians of %lld steps after %lld warm-up; on %s)\n",
+              "variant", "step ms", "tokens/s", "vs first", device_memory(results) ? "device MiB" : "tensor MiB",
+              "active par.", (long long)a.steps, (long long)a.warmup, results[0].device.c_str());
+  for (const auto& r : results)
+    std::printf("%-14s %10.2f %10.0f %8.3fx %11.1f %12lld\n", r.name.c_str(), r.median_step_s * 1e3, r.tokens_per_s,
+                r.median_step_s / base, table_memory_mib(r, device_memory(results)), (long long)r.active_parameters);
+  for (const auto& r : results) {
+    std::string sets;
+    for (const auto& o : r.overrides) sets += (sets.empty() ? "" : ", ") + o;
+    std::printf("  %s: %s\n", r.name.c_str(), sets.empty() ? "the config as it is" : sets.c_str());
+  }
+}
+
+// --kinds: a row per kind, overheads against the first. The traffic bound beside the overhead:
+// the pathway's bytes beyond the first kind's at the copy's speed, the least its overhead can be
+// where the pathway is bound by memory (with residual first, its row is 0: the standard
+// residual's own adds are the baseline, as `depthkit cost`'s overhead subtracts them).
+void print_kinds(const std::vector<BenchResult>& results, const Config& cfg, const BenchArgs& a) {
+  const double base = results[0].median_step_s;
+  std::printf("%-14s %12s %12s %10s %12s %17s %12s   (interleaved, medians of %lld steps after %lld warm-up; "
+              "S = %lld; on %s)\n",
+              "kind", "step ms", "tokens/s", "overhead", "overhead ms", "traffic bound ms",
+              device_memory(results) ? "device MiB" : "tensor MiB", (long long)a.steps, (long long)a.warmup,
+              (long long)cfg.residual.block_sublayers, results[0].device.c_str());
+  for (const auto& r : results)
+    std::printf("%-14s %12.2f %12.0f %9.1f%% %12.2f %17.2f %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3,
+                r.tokens_per_s, 100.0 * (r.median_step_s / base - 1.0), (r.median_step_s - base) * 1e3,
+                r.traffic_ms() - results[0].traffic_ms(), table_memory_mib(r, device_memory(results)));
+  std::printf("traffic bound ms: (the kind's pathway bytes per step - %s's) / a plain copy's %.2f GB/s, timed "
+              "among the steps;\nbytes per step (`depthkit cost`'s traffic, forward and backward):",
+              results[0].kind.c_str(), results[0].copy_gbs);
+  for (size_t k = 0; k < results.size(); ++k)
+    std::printf("%s %s %.1f MB", k ? "," : "", results[k].kind.c_str(), results[k].traffic_bytes / 1e6);
+  std::printf("\n");
+}
+
+// Runs the mode the options choose (--ops, --decode, --variant, --kinds, or the config alone)
+// and prints its report.
+int run_bench_command(const BenchArgs& a) {
+  if (!a.ops.empty()) return print_ops(a.ops, a.steps, a.json);
+  if (a.config.empty()) fail("bench: --config is required (or --ops to time the operators)");
+  Config cfg = load_config(a.config, a.sets);
+  if (!a.decode.empty())
+    return print_decoding(cfg, a.kinds.empty() ? std::vector<std::string>{cfg.residual.kind} : split_list(a.kinds, "--kinds"),
+                          a.decode, a.steps, a.json);
+  const std::vector<BenchVariant> variants = parse_variants(a.variants);
+  const bool several = !a.kinds.empty() || !variants.empty();
+  const std::vector<BenchResult> results =
+      !variants.empty()  ? run_bench_variants(cfg, variants, a.steps, a.warmup, a.profile)
+      : a.kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a.steps, a.warmup, a.profile)}
+                        : run_bench_kinds(cfg, split_list(a.kinds, "--kinds"), a.steps, a.warmup, a.profile);
+  if (a.json) {
+    print_runs_json(results, several, a.profile > 0);
+    return 0;
+  }
+  if (!several) print_single(results[0], a);
+  else if (!variants.empty()) print_variants(results, a);
+  else print_kinds(results, cfg, a);
+  print_dispatch(results);
+  if (a.profile > 0)
+    for (const auto& r : results) print_profile(r, a.top);
+  return 0;
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("bench", "time training steps on random tokens (on train.device), or the fused "
                                           "operators (--ops)");
-  struct Args {
-    std::string config, kinds, ops, decode;
-    std::vector<std::string> sets, variants;
-    int64_t steps = 20, warmup = 3, profile = 0, top = 25;
-    bool json = false;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--config", a->config, "TOML config");
-  add_set_option(cmd, a->sets);
+  auto a = std::make_shared<BenchArgs>();
+  add_config_options(cmd, *a, ConfigFile::optional);
   cmd->add_option("--kinds", a->kinds,
                   "comma-separated residual kinds to time interleaved, overheads against the first "
                   "(e.g. residual,attnres,dar,msar,mhc)");
@@ -225,120 +361,7 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_flag("--json", a->json, "print JSON");
   variant_option->excludes("--kinds");
   variant_option->excludes("--decode");
-  cmd->callback([&action, a] {
-    action = [a] {
-      if (!a->ops.empty()) return print_ops(a->ops, a->steps, a->json);
-      if (a->config.empty()) fail("bench: --config is required (or --ops to time the operators)");
-      Config cfg = Config::load(a->config, a->sets);
-      if (!a->decode.empty())
-        return print_decoding(cfg, a->kinds.empty() ? std::vector<std::string>{cfg.residual.kind} : split_list(a->kinds, "--kinds"),
-                              a->decode, a->steps, a->json);
-      std::vector<BenchVariant> variants;
-      for (const auto& spec : a->variants) {
-        variants.push_back(parse_variant(spec));
-        for (size_t j = 0; j + 1 < variants.size(); ++j)
-          if (variants[j].name == variants.back().name) fail("--variant: the name '", variants.back().name, "' is given twice");
-      }
-      const bool several = !a->kinds.empty() || !variants.empty();
-      std::vector<BenchResult> results =
-          !variants.empty()   ? run_bench_variants(cfg, variants, a->steps, a->warmup, a->profile)
-          : a->kinds.empty() ? std::vector<BenchResult>{run_bench(cfg, a->steps, a->warmup, a->profile)}
-                             : run_bench_kinds(cfg, split_list(a->kinds, "--kinds"), a->steps, a->warmup, a->profile);
-      const double base = results[0].median_step_s;
-      if (a->json) {
-        nlohmann::json runs = nlohmann::json::array();
-        for (const auto& r : results)
-          runs.push_back({{"kind", r.kind},
-                          {"variant", r.name},
-                          {"overrides", r.overrides},
-                          {"median_step_s", r.median_step_s},
-                          {"tokens_per_s", r.tokens_per_s},
-                          {"tokens_per_step", r.tokens_per_step},
-                          {"overhead", r.median_step_s / base - 1.0},
-                          {"overhead_ms", (r.median_step_s - base) * 1e3},
-                          {"ratio", r.median_step_s / base},
-                          // the pathway's bytes per step (`depthkit cost`, forward and backward)
-                          // at the copy's speed; the bound is what the first kind's leaves over
-                          {"traffic_bytes_per_step", r.traffic_bytes},
-                          {"copy_gbs", r.copy_gbs},
-                          {"traffic_ms", r.traffic_ms()},
-                          {"traffic_bound_ms", r.traffic_ms() - results[0].traffic_ms()},
-                          {"peak_rss_bytes", r.peak_rss_bytes},
-                          {"peak_tensor_bytes", r.peak_tensor_bytes},
-                          {"device", r.device},
-                          // null: not counted (the CPU, whose tensors peak_tensor_bytes counts)
-                          {"peak_device_bytes", r.peak_device_bytes >= 0 ? nlohmann::json(r.peak_device_bytes)
-                                                                         : nlohmann::json(nullptr)},
-                          {"parameters", r.parameters},
-                          {"active_parameters", r.active_parameters},
-                          // null: a dense model (or a device whose memory is not counted)
-                          {"dispatch", dispatch_json(r)},
-                          {"step_s", r.step_s}});
-        if (a->profile > 0)
-          for (size_t k = 0; k < results.size(); ++k) runs[k]["profile"] = profile_json(results[k]);
-        std::printf("%s\n", (several ? nlohmann::json{{"runs", runs}} : runs[0]).dump().c_str());
-        return 0;
-      }
-      const bool device_memory = results[0].peak_device_bytes >= 0;
-      if (!several) {
-        const BenchResult& r = results[0];
-        const std::string device_peak =
-            device_memory ? cat(", peak ", r.device, " memory ", double(r.peak_device_bytes) / (1 << 20), " MiB") : "";
-        std::printf("%s: median step %.2f ms, %.0f tokens/s, peak tensor memory %.1f MiB%s, peak RSS %.1f MiB "
-                    "(%lld steps after %lld warm-up, on %s)\n",
-                    r.kind.c_str(), r.median_step_s * 1e3, r.tokens_per_s, double(r.peak_tensor_bytes) / (1 << 20),
-                    device_peak.c_str(), double(r.peak_rss_bytes) / (1 << 20), (long long)a->steps,
-                    (long long)a->warmup, r.device.c_str());
-        print_dispatch(results);
-        if (a->profile > 0) print_profile(r, a->top);
-        return 0;
-      }
-      if (!variants.empty()) {
-        std::printf("%-14s %10s %10s %9s %11s %12s   (interleaved, medians of %lld steps after %lld warm-up; on %s)\n",
-                    "variant", "step ms", "tokens/s", "vs first", device_memory ? "device MiB" : "tensor MiB",
-                    "active par.", (long long)a->steps, (long long)a->warmup, results[0].device.c_str());
-        for (const auto& r : results)
-          std::printf("%-14s %10.2f %10.0f %8.3fx %11.1f %12lld\n", r.name.c_str(), r.median_step_s * 1e3,
-                      r.tokens_per_s, r.median_step_s / base,
-                      double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20),
-                      (long long)r.active_parameters);
-        for (const auto& r : results) {
-          std::string sets;
-          for (const auto& o : r.overrides) sets += (sets.empty() ? "" : ", ") + o;
-          std::printf("  %s: %s\n", r.name.c_str(), sets.empty() ? "the config as it is" : sets.c_str());
-        }
-        print_dispatch(results);
-        if (a->profile > 0)
-          for (const auto& r : results) print_profile(r, a->top);
-        return 0;
-      }
-      // On a GPU the memory that matters is the device's; the CPU's tensors are then only the batches.
-      // The traffic bound beside the overhead: the pathway's bytes beyond the first kind's at the
-      // copy's speed, the least its overhead can be where the pathway is bound by memory (with
-      // residual first, its row is 0: the standard residual's own adds are the baseline, as
-      // `depthkit cost`'s overhead subtracts them).
-      std::printf("%-14s %12s %12s %10s %12s %17s %12s   (interleaved, medians of %lld steps after %lld warm-up; "
-                  "S = %lld; on %s)\n",
-                  "kind", "step ms", "tokens/s", "overhead", "overhead ms", "traffic bound ms",
-                  device_memory ? "device MiB" : "tensor MiB", (long long)a->steps, (long long)a->warmup,
-                  (long long)cfg.residual.block_sublayers, results[0].device.c_str());
-      for (const auto& r : results)
-        std::printf("%-14s %12.2f %12.0f %9.1f%% %12.2f %17.2f %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3,
-                    r.tokens_per_s, 100.0 * (r.median_step_s / base - 1.0), (r.median_step_s - base) * 1e3,
-                    r.traffic_ms() - results[0].traffic_ms(),
-                    double(device_memory ? r.peak_device_bytes : r.peak_tensor_bytes) / (1 << 20));
-      std::printf("traffic bound ms: (the kind's pathway bytes per step - %s's) / a plain copy's %.2f GB/s, timed "
-                  "among the steps;\nbytes per step (`depthkit cost`'s traffic, forward and backward):",
-                  results[0].kind.c_str(), results[0].copy_gbs);
-      for (size_t k = 0; k < results.size(); ++k)
-        std::printf("%s %s %.1f MB", k ? "," : "", results[k].kind.c_str(), results[k].traffic_bytes / 1e6);
-      std::printf("\n");
-      print_dispatch(results);
-      if (a->profile > 0)
-        for (const auto& r : results) print_profile(r, a->top);
-      return 0;
-    };
-  });
+  cmd->callback([&action, a] { action = [a] { return run_bench_command(*a); }; });
 }
 
 }  // namespace depthkit::cli

@@ -1,26 +1,21 @@
-// depthkit cost: training FLOPs per token and memory traffic per branch (analysis/accounting.h).
+// depthkit cost: training FLOPs per token and memory traffic per branch (model/accounting.h).
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "depthkit/analysis/accounting.h"
+#include "depthkit/model/accounting.h"
 #include "depthkit/cli/commands.h"
+#include "depthkit/model/config_check.h"
 
 namespace depthkit::cli {
 
 void add_cost(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("cost", "training FLOPs per token and memory traffic of the residual pathway");
-  struct Args {
-    std::string config;
-    std::vector<std::string> sets;
-    bool json = false;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--config", a->config, "TOML config")->required();
-  add_set_option(cmd, a->sets);
+  auto a = std::make_shared<ConfigArgs>();
+  add_config_options(cmd, *a, ConfigFile::required);
   cmd->add_flag("--json", a->json, "print JSON");
   cmd->callback([&action, a] {
     action = [a] {
-      const Config cfg = Config::load(a->config, a->sets);
+      const Config cfg = load_config(a->config, a->sets);
       const CostReport c = training_cost(cfg.model, cfg.residual);
       if (a->json) {
         nlohmann::json terms = nlohmann::json::array();

@@ -7,6 +7,7 @@
 
 #include "depthkit/cli/commands.h"
 #include "depthkit/io/safetensors.h"
+#include "depthkit/eval/run_model.h"
 #include "depthkit/io/token_file.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
@@ -23,16 +24,14 @@ constexpr int64_t kChunkLogitBytes = int64_t(64) << 20;
 
 int run_forward(const std::string& checkpoint, const std::string& tokens_path, const std::string& out) {
   if (fs::is_directory(out)) fail(out, ": is a directory, expected a .safetensors file path to write");
-  const fs::path dir = resolve_checkpoint(checkpoint);
-  Checkpoint ck = load_checkpoint(dir, false);
-  Config cfg = Config::parse(ck.state.config_toml, (dir / "state.json").string());
+  const RunModel run = load_checkpoint_model(resolve_checkpoint(checkpoint), RunPrecision::float32);
+  const Config& cfg = run.config;
   at::Tensor tokens = read_token_file(tokens_path);
   const int64_t B = tokens.size(0), T = tokens.size(1), V = cfg.model.vocab_size;
   const int64_t top = tokens.max().item<int64_t>();
   if (T > cfg.model.seq_len) fail(tokens_path, ": sequences of ", T, " tokens exceed model.seq_len ", cfg.model.seq_len);
   if (top >= V) fail(tokens_path, ": token id ", top, " is >= vocab_size ", V);
-  Transformer model(cfg.model, cfg.residual, at::kCPU, 0);
-  model.parameters().load(ck.model.tensors, (dir / "model.safetensors").string());
+  Transformer& model = *run.model;
 
   // The output must fit the file system it goes to (checked before anything is created there).
   fs::path out_dir = fs::absolute(out).parent_path();
@@ -44,7 +43,7 @@ int run_forward(const std::string& checkpoint, const std::string& tokens_path, c
     fail(out, ": the logits of ", B, " x ", T, " tokens over ", V, " ids need ", logit_bytes, " bytes, and ",
          out_dir.string(), " has ", free_bytes, " free");
   SafetensorsStreamWriter writer(out, "logits", at::kFloat, {B, T, V},
-                                 {{"checkpoint", dir.string()}, {"step", std::to_string(ck.state.step)}});
+                                 {{"checkpoint", run.checkpoint.string()}, {"step", std::to_string(run.step)}});
   const int64_t rows = std::max<int64_t>(1, kChunkLogitBytes / (T * V * 4));
   at::NoGradGuard no_grad;
   for (int64_t r = 0; r < B; r += rows) {

@@ -7,7 +7,7 @@
 
 #include "depthkit/cli/commands.h"
 #ifdef DEPTHKIT_WITH_CUDA
-#include "depthkit/ops/cuda/device_info.h"
+#include "depthkit/util/cuda/device_info.h"
 #endif
 
 namespace depthkit::cli {

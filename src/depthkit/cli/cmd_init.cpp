@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "depthkit/cli/commands.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/optimizer.h"
@@ -12,20 +13,18 @@ namespace depthkit::cli {
 
 void add_init(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("init", "write a freshly initialised checkpoint");
-  struct Args {
-    std::string config, out;
-    std::vector<std::string> sets;
+  struct Args : ConfigArgs {
+    std::string out;
     bool force = false;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--config", a->config, "TOML config")->required();
-  add_set_option(cmd, a->sets);
+  add_config_options(cmd, *a, ConfigFile::required);
   cmd->add_option("--out", a->out, "checkpoint folder to write (model.safetensors, optimizer.safetensors, state.json)")
       ->required();
   cmd->add_flag("--force", a->force, "replace an existing folder");
   cmd->callback([&action, a] {
     action = [a] {
-      Config cfg = Config::load(a->config, a->sets);
+      Config cfg = load_config(a->config, a->sets);
       const fs::path out = output_directory(a->out, "--out");
       std::error_code ec;
       if (fs::exists(fs::symlink_status(out, ec))) {

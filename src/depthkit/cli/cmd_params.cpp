@@ -3,24 +3,19 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/cli/commands.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/model/transformer.h"
 
 namespace depthkit::cli {
 
 void add_params(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("params", "count parameters by component");
-  struct Args {
-    std::string config;
-    std::vector<std::string> sets;
-    bool json = false;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--config", a->config, "TOML config")->required();
-  add_set_option(cmd, a->sets);
+  auto a = std::make_shared<ConfigArgs>();
+  add_config_options(cmd, *a, ConfigFile::required);
   cmd->add_flag("--json", a->json, "print JSON");
   cmd->callback([&action, a] {
     action = [a] {
-      Config cfg = Config::load(a->config, a->sets);
+      Config cfg = load_config(a->config, a->sets);
       Transformer model(cfg.model, cfg.residual, at::kMeta, 0);
       ParameterCounts c = model.count();
       if (a->json) {

@@ -6,6 +6,7 @@
 
 #include "depthkit/cli/commands.h"
 #include "depthkit/dist/launch.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/train/trainer.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
@@ -14,10 +15,9 @@ namespace depthkit::cli {
 
 namespace {
 
-struct TrainArgs {
-  std::string config, run_dir;
-  std::vector<std::string> sets;
-  bool resume = false, json = false;
+struct TrainArgs : ConfigArgs {
+  std::string run_dir;
+  bool resume = false;
   int64_t nproc = 0;        // > 0: launch this many local ranks (for users without torchrun)
   int64_t stop_after = -1;  // stop with a checkpoint after this step, as if interrupted
 };
@@ -46,7 +46,7 @@ int run_train(const TrainArgs& a) {
     opt.config = load_run_config(opt.run_dir, a.sets);
   } else {
     if (a.config.empty()) fail("train needs --config (or --resume --run-dir D)");
-    opt.config = Config::load(a.config, a.sets);
+    opt.config = load_config(a.config, a.sets);
     opt.run_dir = a.run_dir.empty() ? fs::path("runs") / fs::path(a.config).stem() : fs::path(a.run_dir);
   }
   opt.stop_after = a.stop_after;
@@ -100,8 +100,7 @@ int run_train(const TrainArgs& a) {
 void add_train(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("train", "train a model");
   auto a = std::make_shared<TrainArgs>();
-  cmd->add_option("--config", a->config, "TOML config");
-  add_set_option(cmd, a->sets);
+  add_config_options(cmd, *a, ConfigFile::optional);
   cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<config name>)");
   cmd->add_flag("--resume", a->resume, "continue from the run's latest checkpoint");
   cmd->add_flag("--json", a->json, "print the final summary as JSON");

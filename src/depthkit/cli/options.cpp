@@ -1,7 +1,8 @@
-// The numeric options of every command (commands.h, add_number).
+// The options that several commands share (options.h).
+#include "depthkit/cli/options.h"
+
 #include <limits>
 
-#include "depthkit/cli/commands.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/numbers.h"
 
@@ -52,6 +53,18 @@ CLI::Option* add_number(CLI::App* cmd, const std::string& name, double& target, 
   return add_parsed(cmd, name, target, help,
                     "FLOAT " + range_text(lo, hi, std::numeric_limits<double>::infinity(), lo_bound, hi_bound),
                     [=](const std::string& s) { return parse_real(s, lo, hi, name, lo_bound, hi_bound); });
+}
+
+CLI::Option* add_set_option(CLI::App* cmd, std::vector<std::string>& sets) {
+  return cmd->add_option("--set", sets, "override a config key: section.key=value (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+}
+
+void add_config_options(CLI::App* cmd, ConfigArgs& args, ConfigFile file) {
+  CLI::Option* config = cmd->add_option("--config", args.config, "TOML config");
+  if (file == ConfigFile::required) config->required();
+  add_set_option(cmd, args.sets);
 }
 
 }  // namespace depthkit::cli

@@ -8,7 +8,6 @@
 #include <toml++/toml.h>
 #include <variant>
 
-#include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 #include "depthkit/util/numbers.h"
@@ -54,12 +53,12 @@ std::vector<Field> fields(Config& c) {
       {"moe", "n_shared_experts", &m.moe.n_shared_experts, 0, 4096},
       {"moe", "shared_d_ff", &m.moe.shared_d_ff, 0, 1 << 22},
       {"moe", "leading_dense_layers", &m.moe.leading_dense_layers, 0, 4096},
-      {"moe", "router", &m.moe.router, -kInf, kInf, {"softmax_topk"}},
+      {"moe", "router", &m.moe.router},  // a name in model/moe.h's router table (ConfigRules)
       {"moe", "renormalize", &m.moe.renormalize},
       {"moe", "aux_loss_coef", &m.moe.aux_loss_coef, 0, 1e6},
       {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
       {"moe", "expert_impl", &m.moe.expert_impl, -kInf, kInf, {"auto", "grouped", "loop"}},
-      {"residual", "kind", &r.kind, -kInf, kInf, pathway_kind_names()},
+      {"residual", "kind", &r.kind},  // a name in the pathway registry (ConfigRules)
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "share_within_block", &r.share_within_block},
       {"residual", "routing", &r.routing, -kInf, kInf, {"cross", "self", "cross_value", "fixed"}},
@@ -221,9 +220,6 @@ void validate(const Config& c, const std::string& where) {
                 checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
                 "the shared experts' bytes (3 x moe.n_shared_experts x moe.shared_d_ff x model.d_model x 4)");
   }
-  // The kind's own checks (its entry in pathways/registry.h; e.g. DAR with S = 1, MSAR's kernels).
-  if (const PathwayKind* kind = find_pathway_kind(c.residual.kind); kind && kind->validate)
-    kind->validate(c.residual, where);
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.data.dir.empty()) fail(where, ": key 'data.dir' must not be empty");
@@ -259,7 +255,7 @@ std::string grouped_experts_unsupported(const std::string& device, const std::st
 }
 
 Config Config::parse(const std::string& text, const std::string& source,
-                     const std::vector<std::string>& overrides) {
+                     const std::vector<std::string>& overrides, const ConfigRules& rules) {
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -269,6 +265,8 @@ Config Config::parse(const std::string& text, const std::string& source,
   }
   Config c;
   auto fs = fields(c);
+  for (auto& f : fs)
+    if (auto it = rules.choices.find(f.path()); it != rules.choices.end()) f.choices = it->second;
   auto find = [&](const std::string& section, const std::string& key) -> const Field* {
     for (auto& f : fs)
       if (f.section == section && f.key == key) return &f;
@@ -301,11 +299,31 @@ Config Config::parse(const std::string& text, const std::string& source,
     assign(*f, *value.get("v"), where);
   }
   validate(c, source);
+  if (rules.check) rules.check(c, source);
   return c;
 }
 
-Config Config::load(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse(read_file(path, 16u << 20), path, overrides);
+Config Config::load(const std::string& path, const std::vector<std::string>& overrides, const ConfigRules& rules) {
+  return parse(read_file(path, 16u << 20), path, overrides, rules);
+}
+
+std::vector<ConfigKey> Config::keys() {
+  Config c;
+  std::vector<ConfigKey> out;
+  for (const auto& f : fields(c)) {
+    const char* type = std::visit(
+        [](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, int64_t>) return "integer";
+          else if constexpr (std::is_same_v<T, double>) return "number";
+          else if constexpr (std::is_same_v<T, bool>) return "boolean";
+          else if constexpr (std::is_same_v<T, std::string>) return "string";
+          else return "integer array";
+        },
+        f.target);
+    out.push_back({f.section, f.key, type, f.min, f.max, f.choices});
+  }
+  return out;
 }
 
 namespace {

@@ -3,6 +3,8 @@
 // messages that name the key, defaults, and the resolved TOML written next to each run.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -17,7 +19,7 @@ struct MoeConfig {
   int64_t n_shared_experts = 0;      // experts every token goes through (DeepSeekMoE)
   int64_t shared_d_ff = 0;           // width of each shared expert; 0: expert_d_ff
   int64_t leading_dense_layers = 0;  // the first layers keep the dense SwiGLU of width model.d_ff
-  std::string router = "softmax_topk";  // softmax over all experts, then the top-k
+  std::string router = "softmax_topk";  // a name in the router table (model/router.h)
   // Divide the k selected probabilities by their sum. Off by default: the gates are then the
   // softmax probabilities themselves (Switch, GShard, DeepSeekMoE), and with top_k = 1 the LM
   // loss still trains the router (a renormalised single gate is constantly 1).
@@ -127,6 +129,27 @@ struct OptimConfig {
   std::string impl = "fused";
 };
 
+struct Config;
+
+// What the layers above config know about some keys: the names they take (residual.kind names a
+// pathway in the registry, moe.router a router in the table) and the checks of a whole config that
+// only they can make (a kind's own constraints). Config::parse applies the rules it is given, so
+// that config stays below the code that defines those names; model/config_check.h gives them.
+struct ConfigRules {
+  std::map<std::string, std::vector<std::string>> choices;  // "section.key" → its allowed values
+  std::function<void(const Config&, const std::string& where)> check = nullptr;
+};
+
+// One declared key, for the docs' key table, the fuzzer and `--set` help: its type ("integer",
+// "number", "boolean", "string", "integer array"), range and fixed choices (empty: any value, or
+// names given by ConfigRules).
+struct ConfigKey {
+  std::string section, key, type;
+  double min, max;
+  std::vector<std::string> choices;
+  std::string path() const { return section + "." + key; }
+};
+
 struct Config {
   ModelConfig model;
   ResidualConfig residual;
@@ -134,11 +157,17 @@ struct Config {
   TrainConfig train;
   OptimConfig optim;
 
-  // Loads a TOML file, applies "section.key=value" overrides, validates. Throws depthkit::Error.
-  static Config load(const std::string& path, const std::vector<std::string>& overrides = {});
+  // Loads a TOML file, applies "section.key=value" overrides, validates every key's type and range
+  // and the keys' relations, then applies `rules`. Throws depthkit::Error. Without rules, names
+  // defined above config (residual.kind, moe.router) are not checked: a program loads a config
+  // through model/config_check.h, which passes them.
+  static Config load(const std::string& path, const std::vector<std::string>& overrides = {},
+                     const ConfigRules& rules = {});
   // Same from TOML text; `source` names it in messages.
   static Config parse(const std::string& toml_text, const std::string& source,
-                      const std::vector<std::string>& overrides = {});
+                      const std::vector<std::string>& overrides = {}, const ConfigRules& rules = {});
+  // Every declared key, in declaration order (the order of to_toml and values).
+  static std::vector<ConfigKey> keys();
   // The fully resolved configuration (every key, defaults included) as TOML.
   std::string to_toml() const;
   // Every key with its value as TOML writes it, "section.key" → "value", in declaration order.

@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <utility>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
@@ -110,6 +112,24 @@ std::vector<std::string> write_split(const fs::path& dir, const std::string& spl
   return names;
 }
 
+// In nats per token: the train split's unigram entropy, and the val split's cross-entropy under
+// the train split's unigram model (add-one smoothing).
+std::pair<double, double> unigram_entropies(const std::vector<uint32_t>& train, const std::vector<uint32_t>& val,
+                                            int64_t vocab_size) {
+  std::vector<int64_t> counts(vocab_size, 0);
+  for (uint32_t t : train) ++counts[t];
+  double entropy = 0;
+  for (int64_t c : counts)
+    if (c > 0) {
+      const double p = double(c) / double(train.size());
+      entropy -= p * std::log(p);
+    }
+  double val_ce = 0;
+  for (uint32_t t : val) val_ce -= std::log((double(counts[t]) + 1) / (double(train.size()) + double(vocab_size)));
+  val_ce /= double(std::max<size_t>(1, val.size()));
+  return {entropy, val_ce};
+}
+
 }  // namespace
 
 PrepareResult prepare_data(const PrepareOptions& opt) {
@@ -196,18 +216,8 @@ PrepareResult prepare_data(const PrepareOptions& opt) {
   r.val_tokens = split_tokens[1].size();
   r.train_docs = docs_in[0];
   r.val_docs = docs_in[1];
-  std::vector<int64_t> counts(r.vocab_size, 0);
-  for (uint32_t t : split_tokens[0]) ++counts[t];
-  for (int64_t c : counts)
-    if (c > 0) {
-      double p = double(c) / double(r.train_tokens);
-      r.unigram_entropy_nats -= p * std::log(p);
-    }
-  // Cross-entropy of the val split under the train unigram model (add-one smoothing).
-  double val_ce = 0;
-  for (uint32_t t : split_tokens[1])
-    val_ce -= std::log((double(counts[t]) + 1) / (double(r.train_tokens) + r.vocab_size));
-  val_ce /= std::max<int64_t>(1, r.val_tokens);
+  const auto [train_entropy, val_ce] = unigram_entropies(split_tokens[0], split_tokens[1], r.vocab_size);
+  r.unigram_entropy_nats = train_entropy;
 
   nlohmann::json meta;
   meta["format"] = "llm.c token shards";

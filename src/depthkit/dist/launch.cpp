@@ -137,6 +137,59 @@ std::vector<std::string> own_command_line() {
   return args;
 }
 
+namespace {
+
+// Waits for the nproc ranks of g_ranks, then reads each one's report from its pipe (reports, the
+// read ends). After the first failure (`failed` is set) the others get grace_s to notice and stop,
+// then are killed.
+std::vector<RankEnd> wait_for_ranks(int64_t nproc, const std::vector<int>& reports, double grace_s, bool& failed) {
+  std::vector<RankEnd> ends(nproc);
+  std::vector<bool> killed(nproc, false);
+  int64_t running = nproc;
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  while (running > 0) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, deadline ? WNOHANG : 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (pid == 0) {  // none ended: past the deadline, end the rest
+      if (std::chrono::steady_clock::now() > *deadline) {
+        for (int64_t r = 0; r < nproc; ++r)
+          if (g_ranks[r] > 0 && !killed[r]) kill(g_ranks[r], SIGKILL), killed[r] = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    int64_t rank = -1;
+    for (int64_t r = 0; r < nproc; ++r)
+      if (g_ranks[r] == pid) rank = r;
+    if (rank < 0) continue;
+    g_ranks[rank] = 0;
+    --running;
+    ends[rank].status = status;
+    // Ended by the launcher: after the grace period, by a second Ctrl-C, or by the signal it passed
+    // on, arriving before the rank's own handler was installed.
+    ends[rank].killed_by_us = killed[rank] || g_signals > 1 ||
+                              (WIFSIGNALED(status) && g_forwarded != 0 && WTERMSIG(status) == g_forwarded);
+    if (exit_status(status) != 0 && !failed) {
+      failed = true;
+      deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(grace_s * 1000));
+    }
+  }
+  for (int64_t r = 0; r < nproc; ++r) {
+    const std::string report = drain(reports[r]);
+    const size_t space = report.find(' ');
+    if (space == std::string::npos) continue;
+    ends[r].kind = report.substr(0, space);
+    ends[r].line = report.substr(space + 1, report.find('\n') - space - 1);
+  }
+  return ends;
+}
+
+}  // namespace
+
 int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, double grace_s) {
   if (nproc < 1 || nproc > kMaxRanks) fail("--nproc must be in [1, ", kMaxRanks, "], got ", nproc);
   std::signal(SIGPIPE, SIG_IGN);  // a rank that is gone must not take its store's host with it
@@ -239,50 +292,8 @@ int launch_local_ranks(int64_t nproc, const std::vector<std::string>& argv, doub
     }
   }
 
-  // Wait for every rank. After the first failure the others get grace_s to notice and stop.
-  std::vector<RankEnd> ends(nproc);
-  std::vector<bool> killed(nproc, false);
   bool failed = false;
-  int64_t running = nproc;
-  std::optional<std::chrono::steady_clock::time_point> deadline;
-  while (running > 0) {
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, deadline ? WNOHANG : 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    if (pid == 0) {  // none ended: past the deadline, end the rest
-      if (std::chrono::steady_clock::now() > *deadline) {
-        for (int64_t r = 0; r < nproc; ++r)
-          if (g_ranks[r] > 0 && !killed[r]) kill(g_ranks[r], SIGKILL), killed[r] = true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      continue;
-    }
-    int64_t rank = -1;
-    for (int64_t r = 0; r < nproc; ++r)
-      if (g_ranks[r] == pid) rank = r;
-    if (rank < 0) continue;
-    g_ranks[rank] = 0;
-    --running;
-    ends[rank].status = status;
-    // Ended by the launcher: after the grace period, by a second Ctrl-C, or by the signal it passed
-    // on, arriving before the rank's own handler was installed.
-    ends[rank].killed_by_us = killed[rank] || g_signals > 1 ||
-                              (WIFSIGNALED(status) && g_forwarded != 0 && WTERMSIG(status) == g_forwarded);
-    if (exit_status(status) != 0 && !failed) {
-      failed = true;
-      deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(grace_s * 1000));
-    }
-  }
-  for (int64_t r = 0; r < nproc; ++r) {
-    const std::string report = drain(reports[r]);
-    const size_t space = report.find(' ');
-    if (space == std::string::npos) continue;
-    ends[r].kind = report.substr(0, space);
-    ends[r].line = report.substr(space + 1, report.find('\n') - space - 1);
-  }
+  std::vector<RankEnd> ends = wait_for_ranks(nproc, reports, grace_s, failed);
   const bool forced = g_signals > 1;  // a second Ctrl-C: the user ended every rank
   restore();
   if (!failed) return 0;

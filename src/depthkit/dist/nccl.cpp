@@ -1,12 +1,11 @@
-// ProcessGroupNCCL for CUDA tensors: compiled only when the build has CUDA (DEPTHKIT_CUDA), with
-// NCCL's header from the nvidia-nccl wheel that torch depends on; dist/world.cpp calls it.
+// NCCL's header comes from the nvidia-nccl wheel that torch depends on (CMakeLists.txt). c10d's
+// headers read USE_C10D_NCCL, so it is defined before any of them, this file's own header included.
 #ifdef DEPTHKIT_WITH_NCCL
 #define USE_C10D_NCCL 1
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#else
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #endif
+
+#include "depthkit/dist/nccl.h"
 
 #include <chrono>
 

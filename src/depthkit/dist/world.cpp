@@ -24,14 +24,11 @@
 #include <optional>
 #include <thread>
 
+#include "depthkit/dist/nccl.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/numbers.h"
 
 namespace depthkit {
-
-// ProcessGroupNCCL, in dist/nccl.cpp when the build has CUDA (DEPTHKIT_CUDA), else a refusal.
-c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                    int size, std::chrono::milliseconds timeout);
 
 namespace {
 

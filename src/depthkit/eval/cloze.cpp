@@ -13,6 +13,7 @@
 #include "depthkit/data/shards.h"
 #include "depthkit/data/tokenizer.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/text.h"
 #include "depthkit/util/fs.h"
 
 namespace depthkit {
@@ -32,14 +33,12 @@ constexpr size_t kMinContextBytes = 100;
 constexpr int kDraws = 200;
 static_assert(kClozeMinContextOption == int64_t(kMinContextBytes + kMaxLineBytes));
 
-std::string_view strip(std::string_view s) {
-  const size_t a = s.find_first_not_of(" \t\r");
-  if (a == std::string_view::npos) return {};
-  return s.substr(a, s.find_last_not_of(" \t\r") - a + 1);
-}
+// A line's text without the blanks around it. A context's stretch may hold newlines, which count
+// as text here: the cloze's choice of contexts depends on it, so it stays as it was built.
+std::string_view strip_line(std::string_view s) { return strip(s, " \t\r"); }
 
 bool qualifies(std::string_view line) {
-  const std::string_view s = strip(line);
+  const std::string_view s = strip_line(line);
   if (s.size() < kMinLineBytes || s.size() > kMaxLineBytes) return false;
   size_t words = 0, letters = 0;
   bool in_word = false;
@@ -147,12 +146,12 @@ ClozeResult make_cloze_task(const ClozeOptions& opt) {
       if (end == std::string::npos) end = text.size();
       const Line line{d, ++number, begin, end};
       const std::string_view s(text.data() + begin, end - begin);
-      lines_of[size_t(d)].insert(strip(s));
+      lines_of[size_t(d)].insert(strip_line(s));
       if (qualifies(s)) {
         pool.push_back(line);
         // The passage: the text before the line, at most context_bytes, from a line start on.
         const size_t from = begin > size_t(opt.context_bytes) ? text.find('\n', begin - size_t(opt.context_bytes)) + 1 : 0;
-        if (begin - from >= kMinContextBytes && !strip(std::string_view(text).substr(from, begin - from)).empty())
+        if (begin - from >= kMinContextBytes && !strip_line(std::string_view(text).substr(from, begin - from)).empty())
           answers[dev_doc[size_t(d)]].push_back(line);
       }
       begin = end + 1;
@@ -172,8 +171,8 @@ ClozeResult make_cloze_task(const ClozeOptions& opt) {
     for (int k = 0; k < kDraws && int64_t(distractors.size()) < opt.choices - 1; ++k) {
       const Line& p = pool[draw(state, pool.size())];
       const std::string_view t = text_of(p);
-      if (p.doc == gold.doc || lines_of[size_t(gold.doc)].count(strip(t))) continue;  // it could be right
-      if (std::any_of(distractors.begin(), distractors.end(), [&](const Line* q) { return strip(text_of(*q)) == strip(t); }))
+      if (p.doc == gold.doc || lines_of[size_t(gold.doc)].count(strip_line(t))) continue;  // it could be right
+      if (std::any_of(distractors.begin(), distractors.end(), [&](const Line* q) { return strip_line(text_of(*q)) == strip_line(t); }))
         continue;
       if (k < kDraws / 2 && (3 * t.size() < 2 * answer.size() || 2 * t.size() > 3 * answer.size())) continue;
       distractors.push_back(&p);

@@ -12,8 +12,8 @@
 
 #include <cmath>
 
-#include "depthkit/model/parameters.h"
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/ops/backbone_ops.h"
 #include "depthkit/ops/kernel_choice.h"
 #include "depthkit/ops/reference/reference.h"

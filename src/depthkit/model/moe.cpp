@@ -8,27 +8,25 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/floor_divide.h>
-#include <ATen/ops/gather.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/softmax.h>
-#include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
 
 #include "depthkit/model/layers.h"
-#include "depthkit/model/parameters.h"
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
 
 MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
     : moe(c.moe), eps(c.norm_eps), ops(c.impl, p.device().type()), expert_impl(c.moe.expert_impl) {
+  moe_router(moe.router);  // an unknown name is refused here, before any parameter is made
   const int64_t d = c.d_model, E = moe.n_experts, f = moe.expert_d_ff;
   const double out_std = c.init_std / std::sqrt(2.0 * double(c.n_layers));
   norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
@@ -47,18 +45,7 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const st
 }
 
 Routing MoeFeedForward::route(const at::Tensor& x) const {
-  Routing r;
-  // The router runs in the parameters' dtype (float32 under bfloat16 compute): the expert choice
-  // and the balancing statistics are not taken from bfloat16-rounded logits.
-  r.logits = at::linear(x.to(router.scalar_type()), router);
-  r.probs = at::softmax(r.logits, -1);
-  // Top-k by a stable descending sort of the logits: equal logits keep their index order, so a
-  // tie goes to the lower expert index, on every device and thread count.
-  auto sorted = std::get<1>(at::sort(r.logits.detach(), /*stable=*/std::optional<bool>(true), /*dim=*/-1, /*descending=*/true));
-  r.experts = sorted.narrow(-1, 0, moe.top_k).contiguous();
-  r.gates = r.probs.gather(-1, r.experts);
-  if (moe.renormalize) r.gates = r.gates / r.gates.sum(-1, /*keepdim=*/true);
-  return r;
+  return moe_router(moe.router).route(x.to(router.scalar_type()), router, moe);
 }
 
 std::string MoeFeedForward::grouped_unsupported(at::Device device, at::ScalarType t, int64_t d_model,
@@ -135,7 +122,11 @@ at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
   }
   if (stats) {
     // Switch load balancing: f_e the share of assignments to expert e (not differentiable),
-    // P_e the mean router probability of e; n_experts · Σ f_e P_e is 1 at uniform use.
+    // P_e the mean over tokens of the router's distribution (Routing::probs: the softmax for
+    // softmax_topk, the normalised sigmoid scores for sigmoid_topk); n_experts · Σ f_e P_e is 1
+    // at uniform use. The z-loss (ST-MoE) is taken on the logits whatever the router: it keeps
+    // them small (ST-MoE's reason: round-off in the softmax's exponentials; a sigmoid's
+    // saturation, where its gradient vanishes, likewise).
     auto f = counts.to(r.probs.scalar_type()) / double(N * k);
     stats->aux_loss = double(E) * (f * r.probs.mean(0)).sum();
     auto lse = at::logsumexp(r.logits, -1);

@@ -1,7 +1,7 @@
 // The sparse mixture-of-experts feed-forward branch (docs/design.md, "Mixture of experts"):
-// RMSNorm → router (softmax over all experts, top-k; ties to the lower expert index) → dropless
-// dispatch (the token copies sorted by expert, each expert's SwiGLU on its contiguous slice as one
-// grouped matrix product) → the outputs scattered back weighted by the gates, plus the shared
+// RMSNorm → router (moe.router, an entry of the table in model/router.h; top-k, ties to the lower
+// expert index) → dropless dispatch (the token copies sorted by expert, each expert's SwiGLU on
+// its contiguous slice as one grouped matrix product) → the outputs scattered back weighted by the gates, plus the shared
 // experts on every token. To the residual pathway it is f_ℓ like any other branch.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -10,6 +10,7 @@
 
 #include "depthkit/config/config.h"
 #include "depthkit/model/layers.h"
+#include "depthkit/model/router.h"
 
 namespace depthkit {
 
@@ -17,17 +18,9 @@ class ParameterStore;
 
 // What one MoE forward leaves behind for the loss and the logs.
 struct MoeStats {
-  at::Tensor aux_loss;  // n_experts · Σ_e f_e · P_e (unscaled; 1.0 is uniform use), parameters' dtype
-  at::Tensor z_loss;    // mean over tokens of logsumexp(router logits)² (unscaled)
+  at::Tensor aux_loss;  // n_experts · Σ_e f_e · P_e, P_e the mean of Routing::probs (unscaled; 1.0 is uniform use), parameters' dtype
+  at::Tensor z_loss;    // mean over tokens of logsumexp(router logits)² (unscaled), for every router
   at::Tensor load;      // [n_experts] float64 f_e: the share of the token–expert assignments of expert e (sums to 1)
-};
-
-// Router output: which experts, with which weights (exposed for the tests).
-struct Routing {
-  at::Tensor logits;   // [N, E], parameters' dtype (float32 under bfloat16 compute)
-  at::Tensor probs;    // [N, E] softmax over all experts
-  at::Tensor experts;  // [N, k] int64, in decreasing logit order, ties to the lower index
-  at::Tensor gates;    // [N, k] the selected probabilities (renormalised when moe.renormalize)
 };
 
 struct MoeFeedForward {
@@ -39,7 +32,10 @@ struct MoeFeedForward {
   MoeFeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
   // [B, T, d] → [B, T, d]; `stats`, when given, receives the auxiliary terms of this call.
   at::Tensor forward(const at::Tensor& h, MoeStats* stats = nullptr) const;
-  // The router on normalised inputs x [N, d].
+  // The router named by moe.router (looked up on each call, so that the tests may set it) on
+  // normalised inputs x [N, d], cast to the router weight's dtype: float32 under bfloat16 compute,
+  // so that for every router the expert choice and the balancing statistics are not taken from
+  // bfloat16-rounded logits.
   Routing route(const at::Tensor& x) const;
   // How the experts run: "grouped" (at::_grouped_mm) or "loop" (one at::mm per expert); "auto"
   // chooses grouped where it can run (grouped_experts_unsupported in config/config.h: float32 and

@@ -12,7 +12,7 @@
 
 #include <utility>
 
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 

@@ -13,7 +13,7 @@
 #include "depthkit/config/config.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/moe.h"
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 #include "depthkit/pathways/pathway.h"
 
 namespace depthkit {

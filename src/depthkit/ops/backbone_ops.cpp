@@ -14,9 +14,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -90,13 +88,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_impl(const a
     const int64_t n = std::min(chunk, N - s);
     const at::Tensor h = hidden.narrow(0, s, n);
     at::Tensor z = logits.narrow(0, 0, n);
-    at::mm_out(z, h, weight.t());
+    // The products run per fixed block of rows (cpu::addmm_in_row_blocks), so that the loss and
+    // the gradients do not depend on the thread count; ∂weight's rows are the vocabulary's.
+    cpu::addmm_in_row_blocks(z, h, weight.t(), 0.0, 1.0);
     // The chunk's loss, and with the gradient z becomes softmax − onehot(target) in place.
     total += cpu::cross_entropy_rows(z, tgt.narrow(0, s, n), with_grad);
     if (!with_grad) continue;
-    at::Tensor gh = g_hidden.narrow(0, s, n);
-    at::addmm_out(gh, gh, z, weight, 0.0, inv_n);  // β = 0: gh's old contents are not read
-    g_weight.addmm_(z.t(), h, 1.0, inv_n);
+    cpu::addmm_in_row_blocks(g_hidden.narrow(0, s, n), z, weight, 0.0, inv_n);
+    cpu::addmm_in_row_blocks(g_weight, z.t(), h, 1.0, inv_n);
   }
   // The gradients stay in the accumulation dtype: the backward scales them by the upstream
   // gradient first and rounds to the inputs' dtype once.

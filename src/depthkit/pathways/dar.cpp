@@ -5,8 +5,8 @@
 
 #include <cmath>
 
-#include "depthkit/model/parameters.h"
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/reference/depth_attention.h"

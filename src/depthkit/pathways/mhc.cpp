@@ -2,8 +2,8 @@
 
 #include <ATen/ops/stack.h>
 
-#include "depthkit/model/parameters.h"
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/ops/mhc_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"

@@ -10,8 +10,8 @@
 #include <algorithm>
 #include <numeric>
 
-#include "depthkit/model/parameters.h"
-#include "depthkit/model/precision.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/nn/precision.h"
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"

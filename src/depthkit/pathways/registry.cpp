@@ -1,6 +1,7 @@
 #include "depthkit/pathways/registry.h"
 
 #include "depthkit/util/error.h"
+#include "depthkit/util/named.h"
 
 namespace depthkit {
 
@@ -13,17 +14,9 @@ const std::vector<PathwayKind>& pathway_kinds() {
   return kinds;
 }
 
-std::vector<std::string> pathway_kind_names() {
-  std::vector<std::string> names;
-  for (const PathwayKind& k : pathway_kinds()) names.push_back(k.name);
-  return names;
-}
+std::vector<std::string> pathway_kind_names() { return names_of(pathway_kinds()); }
 
-const PathwayKind* find_pathway_kind(const std::string& name) {
-  for (const PathwayKind& k : pathway_kinds())
-    if (k.name == name) return &k;
-  return nullptr;
-}
+const PathwayKind* find_pathway_kind(const std::string& name) { return find_named(pathway_kinds(), name); }
 
 const PathwayKind& pathway_kind(const std::string& name) {
   if (const PathwayKind* k = find_pathway_kind(name)) return *k;

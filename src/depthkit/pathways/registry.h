@@ -18,7 +18,7 @@ namespace depthkit {
 class ParameterStore;
 
 // One row of a pathway's memory traffic per token per branch, in units of d (MSAR Table 6;
-// analysis/accounting.h states the conventions).
+// model/accounting.h states the conventions).
 struct TrafficTerm {
   std::string operation;
   double read = 0, write = 0;
@@ -55,7 +55,7 @@ struct PathwayKind {
   // number of streams (0: residual.streams).
   bool blocks = true;
   int64_t streams = 0;
-  // Forward FLOPs per token of the whole pathway (analysis/accounting.h: training is 3× this).
+  // Forward FLOPs per token of the whole pathway (model/accounting.h: training is 3× this).
   std::function<double(const CostShape&, const ResidualConfig&)> flops;
   // Memory traffic per token per branch (MSAR Table 6 and its conventions).
   std::function<std::vector<TrafficTerm>(const CostShape&)> traffic;

@@ -13,7 +13,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {

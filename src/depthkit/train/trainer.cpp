@@ -9,15 +9,16 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <fstream>
 #include <optional>
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
 #include "depthkit/dist/world.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/train/checkpoint.h"
 #include "depthkit/train/evaluate.h"
+#include "depthkit/train/metrics_log.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/train/schedule.h"
 #include "depthkit/util/device.h"
@@ -34,47 +35,6 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 void on_signal(int sig) { g_stop_signal.store(sig); }
-
-// What metrics.jsonl already holds for the checkpoint's step.
-struct LoggedStep {
-  std::optional<double> loss, val_loss;
-};
-
-// Drops metrics of steps after `step` (left by a run that died after its last checkpoint) and
-// returns what is logged for `step` itself.
-LoggedStep truncate_metrics(const fs::path& path, int64_t step) {
-  LoggedStep logged;
-  if (!fs::exists(path)) return logged;
-  std::ifstream in(path);
-  std::string line, kept;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    auto j = nlohmann::json::parse(line, nullptr, false);
-    const bool has_step = !j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer();
-    if (has_step && j["step"].get<int64_t>() > step) continue;
-    kept += line + "\n";
-    if (has_step && j["step"].get<int64_t>() == step) {
-      if (j.contains("loss") && j["loss"].is_number()) logged.loss = j["loss"].get<double>();
-      if (j.contains("val_loss") && j["val_loss"].is_number()) logged.val_loss = j["val_loss"].get<double>();
-    }
-  }
-  write_file_atomic(path, kept);
-  return logged;
-}
-
-class MetricsLog {
- public:
-  explicit MetricsLog(const fs::path& path) : out_(path, std::ios::app) {
-    if (!out_) fail(path.string(), ": cannot open for appending");
-  }
-  void write(const nlohmann::json& j) {
-    out_ << j.dump() << "\n";
-    out_.flush();
-  }
-
- private:
-  std::ofstream out_;
-};
 
 }  // namespace
 
@@ -114,7 +74,7 @@ Config load_run_config(const fs::path& run_dir, const std::vector<std::string>& 
   require_directory(run_dir, "a run directory");
   const fs::path p = run_dir / "config.toml";
   if (!fs::exists(p)) fail(p.string(), ": not found (is '", run_dir.string(), "' a run directory?)");
-  return Config::load(p.string(), overrides);
+  return load_config(p.string(), overrides);
 }
 
 std::string process_group_backend(const TrainConfig& train) {
@@ -200,10 +160,403 @@ World::Facts config_facts(const Config& cfg) {
   return facts;
 }
 
-// One rank's part of the job (all of it in a job of one).
+// ---- Opening or resuming a run ----
+
+// Rank 0's hold on the run directory, from the job's start to its end: the lock, the checkpoint a
+// resume starts from, and what the job has changed there, to put back should it fail before its
+// first checkpoint (undo_start).
+struct RunDirectory {
+  explicit RunDirectory(const fs::path& run_dir)
+      : dir(run_dir), config_path(run_dir / "config.toml"), metrics_path(run_dir / "metrics.jsonl") {}
+
+  fs::path dir, config_path, metrics_path;
+  bool created = false;  // this job made the directory
+  std::optional<DirectoryLock> lock;
+  std::optional<Checkpoint> checkpoint;  // a resume's: rank 0's choice, then every rank's copy
+  bool complete = false;                 // a resume with no step left to train
+  bool saved = false;                    // a checkpoint of this job is written
+  bool diverged = false;                 // stopped on a non-finite loss: the directory stays as it is
+  bool touched = false;                  // config.toml rewritten and metrics.jsonl cut back
+  std::optional<std::string> old_config, old_metrics;  // as they were before the job
+};
+
+// Rank 0, before anything is written: creates a fresh run's directory, takes its lock and, for a
+// resume, loads the latest checkpoint under it and checks it against the job. Returns what
+// failed, for the start-up that every rank takes part in to report.
+std::exception_ptr open_run_directory(const TrainOptions& opt, const TokenDataset& train_data, int64_t ranks,
+                                      RunDirectory& run) {
+  try {
+    if (run.dir.has_parent_path()) fs::create_directories(run.dir.parent_path());
+    run.created = fs::create_directory(run.dir);  // true only for the call that made it
+    run.lock.emplace(run.dir);
+    if (opt.resume) {
+      run.checkpoint = load_checkpoint(*find_checkpoint(run.dir), true);  // under the lock: the current latest
+    } else if (holds_checkpoints(run.dir)) {
+      fail(run.dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
+    }
+    if (run.checkpoint)
+      run.complete = check_resume(opt, run.checkpoint->state, run.checkpoint->dir, train_data, ranks);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+// A job that fails before its first checkpoint (bad input on any rank, a shard that changed, a
+// rank that died) leaves no half-made run directory behind: rank 0 removes the one it created,
+// while it holds the lock, or puts back the files it changed in an existing one. A run that
+// diverges keeps its directory: its metrics show how.
+void undo_start(RunDirectory& run) {
+  if (!run.lock || run.saved || run.diverged) return;
+  std::error_code ec;
+  if (run.created) {
+    fs::remove_all(run.dir, ec);
+  } else if (run.touched) {  // a resumed run: config.toml and metrics.jsonl as they were
+    if (run.old_config) write_file_atomic(run.config_path, *run.old_config);
+    if (run.old_metrics) write_file_atomic(run.metrics_path, *run.old_metrics);
+  }
+}
+
+// What every rank trains from: the model and its optimizer, fresh or from the checkpoint.
+struct StartState {
+  std::optional<Transformer> model;
+  std::optional<AdamW> optim;
+  TrainerState st;
+  int64_t memory_base = 0;  // tensor bytes before the model: the summary's peak counts from here
+};
+
+// Builds the model and optimizer on every rank, from the checkpoint of step `resume_step` that
+// rank 0 chose (-1: a fresh run), and gives every rank rank 0's parameters.
+void start_from(const TrainOptions& opt, World& world, at::Device device, int64_t resume_step,
+                std::optional<Checkpoint>& ckpt, StartState& start) {
+  const Config& cfg = opt.config;
+  const int64_t ranks = world.size();
+  std::exception_ptr error;
+  try {
+    if (!world.root() && resume_step >= 0)
+      ckpt = load_checkpoint(*find_checkpoint(opt.run_dir, checkpoint_name(resume_step)), true);
+    // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
+    Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
+    TensorMemory::install();  // counts from here: the model, its optimizer state, every step
+    start.memory_base = TensorMemory::current_bytes();
+    TensorMemory::reset_peak();
+    reset_device_peak(device);
+    start.model.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat,
+                        compute_dtype_of(cfg.train));
+    const std::vector<int64_t> sizes = AdamW::sizes(start.model->parameters());
+    start.optim.emplace(start.model->parameters(), cfg.optim,
+                        ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
+    start.st.seed = cfg.train.seed;
+    if (ckpt) {
+      start.model->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
+      start.optim->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
+      start.st = ckpt->state;
+      restore_rng_state(start.st.rng_state, (ckpt->dir / "state.json").string());
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // Every rank loaded the same checkpoint (rank 0's choice, by name; its bytes the same).
+  World::Facts loaded;
+  if (ckpt && !error) loaded = {{"checkpoint (state.json)", fingerprint(read_file(ckpt->dir / "state.json", 64u << 20))}};
+  world.agree(!error, "start-up", loaded);
+  if (error) std::rethrow_exception(error);
+  // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
+  for (const auto& p : start.model->parameters().all()) {
+    at::Tensor data = p.tensor.detach();
+    world.broadcast(data);
+  }
+}
+
+// ---- The step loop ----
+
+// One rank's training from its start state to the run's end or a stop: the steps, the
+// evaluations and checkpoints between them, then the final evaluation and the summary.
+class StepLoop {
+ public:
+  // Sets up the gradients' reduction and the data order, and (rank 0) rewrites the run's
+  // config.toml and cuts its metrics.jsonl back to the starting step.
+  StepLoop(const TrainOptions& opt, World& world, const StartInputs& inputs, RunDirectory& run, StartState& start,
+           int64_t total);
+  TrainResult run();
+
+ private:
+  // One optimizer step's figures, over all ranks.
+  struct Step {
+    double lr = 0, loss = 0, grad_norm = 0;
+    bool logged = false;      // a step that metrics.jsonl records
+    bool moe = false;         // with the MoE terms (logged steps of a MoE model)
+    std::vector<double> moe_terms;  // lm_loss, aux_loss, balance, then each layer's expert load
+    bool signalled = false;   // some rank was asked to stop
+  };
+  Step step();
+  void log_step(const Step& s, double elapsed);
+
+  // ---- Evaluation and checkpoints ----
+  double evaluate_and_log(int64_t step);
+  NamedTensors optimizer_state();
+  void checkpoint();
+  TrainResult finish(TrainResult result, Progress& bar, std::chrono::steady_clock::time_point t0, double step_seconds);
+  void write_summary(const TrainResult& result, std::chrono::steady_clock::time_point t0, double step_seconds);
+
+  const TrainOptions& opt_;
+  const Config& cfg_;
+  World& world_;
+  const StartInputs& inputs_;
+  RunDirectory& run_;
+  Transformer& model_;
+  AdamW& optim_;
+  TrainerState& st_;
+  const int64_t memory_base_;
+  const bool root_;
+  const int64_t ranks_, total_, global_batch_;
+  const std::unique_ptr<GradientReducer> reducer_;
+  const bool sharded_;  // ZeRO-1 across ranks
+  BatchLoader loader_;
+  LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
+  std::optional<MetricsLog> metrics_;  // rank 0's
+};
+
+std::vector<at::Tensor> tensors_of(const ParameterStore& params) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params.all()) tensors.push_back(p.tensor);
+  return tensors;
+}
+
+StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inputs, RunDirectory& run,
+                   StartState& start, int64_t total)
+    : opt_(opt),
+      cfg_(opt.config),
+      world_(world),
+      inputs_(inputs),
+      run_(run),
+      model_(*start.model),
+      optim_(*start.optim),
+      st_(start.st),
+      memory_base_(start.memory_base),
+      root_(world.root()),
+      ranks_(world.size()),
+      total_(total),
+      global_batch_(ranks_ * cfg_.train.grad_accum * cfg_.train.micro_batch),
+      reducer_(world.gradient_reducer(tensors_of(model_.parameters()))),
+      sharded_(cfg_.train.zero && ranks_ > 1),
+      loader_(inputs.train_data, cfg_.train.micro_batch, cfg_.model.seq_len,
+              uint64_t(cfg_.train.data_seed >= 0 ? cfg_.train.data_seed : cfg_.train.seed), st_.data) {
+  if (root_) {
+    run_.touched = true;
+    write_file_atomic(run_.config_path, cfg_.to_toml());
+    logged_ = truncate_metrics(run_.metrics_path, st_.step);
+    metrics_.emplace(run_.metrics_path);
+  }
+  if (Progress::enabled()) {
+    std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s%s\n", run_.dir.c_str(),
+                 cfg_.residual.kind.c_str(), (long long)total_, (long long)cfg_.tokens_per_step(ranks_),
+                 ranks_ > 1 ? cat(" on ", ranks_, " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
+                 run_.checkpoint ? cat(", resuming at step ", st_.step).c_str() : "");
+    if (cfg_.train.zero)
+      std::fprintf(stderr, "ZeRO-1: AdamW state of %lld of %lld parameters per rank, %lld bytes\n",
+                   (long long)(optim_.shard().end - optim_.shard().begin), (long long)optim_.total_elements(),
+                   (long long)optim_.state_bytes());
+  }
+}
+
+TrainResult StepLoop::run() {
+  TrainResult result;
+  result.step = st_.step;
+  Progress bar("train", total_, "tok");
+  const int64_t tokens_per_step = cfg_.tokens_per_step(ranks_);
+  const auto t0 = std::chrono::steady_clock::now();
+  double last_val = -1;
+  double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
+  while (st_.step < total_) {
+    world_.set_step(st_.step);
+    const auto step_start = std::chrono::steady_clock::now();
+    const Step s = step();
+    step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    ++st_.step;
+    st_.tokens_seen += tokens_per_step;
+    result.losses.push_back(s.loss);
+    result.last_loss = s.loss;
+
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s.logged) log_step(s, elapsed);
+    char status[96];
+    std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", s.loss, s.lr,
+                  last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
+    bar.update(st_.step, double(st_.tokens_seen), status);
+
+    if (cfg_.train.eval_every > 0 && st_.step % cfg_.train.eval_every == 0 && st_.step != total_)
+      last_val = evaluate_and_log(st_.step);
+    const bool stop = s.signalled || st_.step == opt_.stop_after;
+    if (stop || st_.step == total_ || (cfg_.train.checkpoint_every > 0 && st_.step % cfg_.train.checkpoint_every == 0))
+      checkpoint();
+    if (stop && st_.step != total_) {
+      bar.finish("interrupted");
+      if (root_)
+        std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st_.step);
+      result.interrupted = true;
+      result.signal = g_stop_signal.load() ? g_stop_signal.load() : (s.signalled ? SIGINT : 0);
+      result.step = st_.step;
+      return result;
+    }
+  }
+  return finish(std::move(result), bar, t0, step_seconds);
+}
+
+// Forward and backward over the step's micro-batches, the loss and the stop request shared
+// across ranks, the gradient clipped, the optimizer stepped.
+StepLoop::Step StepLoop::step() {
+  Step s;
+  s.lr = learning_rate(cfg_.optim, st_.step, total_);
+  model_.parameters().zero_grad();
+  double loss_sum = 0;
+  s.logged = (st_.step + 1) % cfg_.train.log_every == 0 || st_.step + 1 == total_;
+  // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
+  // balance term and per-layer expert load (max over mean share), averaged for the log; read
+  // (a device sync each) on the steps that are logged only.
+  s.moe = cfg_.model.moe.enabled() && s.logged;
+  std::vector<double>& moe_sum = s.moe_terms;
+  const int64_t accum = cfg_.train.grad_accum;
+  for (int64_t m = 0; m < accum; ++m) {
+    // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
+    const at::Tensor batch = loader_.next(world_.rank(), ranks_).to(inputs_.device);
+    reducer_->begin_micro_step(m == accum - 1);
+    at::Tensor loss = model_.loss(batch) / double(accum);
+    reducer_->before_backward();
+    try {
+      loss.backward();
+    } catch (const std::exception& e) {
+      // The last micro-step's backward also averages the gradients across ranks: a failure
+      // there that is not this rank's own (an allocation) is the collective's.
+      if (ranks_ > 1 && m == accum - 1 && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
+        throw CollectiveError(one_line(e));
+      throw;
+    }
+    loss_sum += loss.item<double>();
+    if (s.moe) {
+      const MoeTerms& t = model_.moe_terms();
+      std::vector<double> v = {t.lm_loss.item<double>(), t.aux_loss.item<double>(), t.balance.item<double>()};
+      for (double x : t.load_max_over_mean()) v.push_back(x);
+      moe_sum.resize(v.size(), 0.0);
+      for (size_t i = 0; i < v.size(); ++i) moe_sum[i] += v[i] / double(accum);
+    }
+  }
+  // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
+  // the ranks at different steps; they stop together).
+  at::Tensor shared = at::empty({2 + int64_t(moe_sum.size())}, at::kDouble);
+  shared.data_ptr<double>()[0] = loss_sum;
+  shared.data_ptr<double>()[1] = g_stop_signal.load() != 0 ? 1.0 : 0.0;
+  for (size_t i = 0; i < moe_sum.size(); ++i) shared.data_ptr<double>()[2 + i] = moe_sum[i];
+  world_.all_reduce_sum(shared);
+  s.loss = shared.data_ptr<double>()[0] / double(ranks_);
+  for (size_t i = 0; i < moe_sum.size(); ++i) moe_sum[i] = shared.data_ptr<double>()[2 + i] / double(ranks_);
+  s.signalled = shared.data_ptr<double>()[1] > 0;
+  s.grad_norm = clip_grad_norm(model_.parameters(), cfg_.optim.grad_clip);
+  if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
+    run_.diverged = true;
+    auto last = find_checkpoint(run_.dir);
+    fail("non-finite ", std::isfinite(s.loss) ? "gradient norm" : "loss", " at step ", st_.step + 1, " (loss ", s.loss,
+         ", grad norm ", s.grad_norm, "); stopping. Last good checkpoint: ", last ? last->string() : "none");
+  }
+  optim_.step(s.lr);
+  if (sharded_) optim_.set_parameters(optim_.shard().unpad(world_.all_gather(optim_.shard_of_parameters())));  // ZeRO-1
+  return s;
+}
+
+// The step's line of metrics.jsonl (rank 0), after the step (st_.step counts it).
+void StepLoop::log_step(const Step& s, double elapsed) {
+  if (!metrics_) return;
+  nlohmann::json j = {{"step", st_.step}, {"loss", s.loss}, {"lr", s.lr}, {"grad_norm", s.grad_norm},
+                      {"tokens", st_.tokens_seen}, {"elapsed_s", elapsed}};
+  if (s.moe) {  // "loss" is the optimised total: lm_loss + aux_loss
+    j["lm_loss"] = s.moe_terms[0];
+    j["aux_loss"] = s.moe_terms[1];
+    j["balance"] = s.moe_terms[2];
+    j["expert_load"] = std::vector<double>(s.moe_terms.begin() + 3, s.moe_terms.end());
+  }
+  metrics_->write(j);
+}
+
+// ---- Evaluation and checkpoints ----
+
+// The validation loss over all ranks' shares of the windows, logged (rank 0) at `step`.
+double StepLoop::evaluate_and_log(int64_t step) {
+  const LossSum share = evaluate_share(model_, inputs_.val_batches, world_.rank(), ranks_);
+  at::Tensor sum = at::empty({2}, at::kDouble);
+  sum.data_ptr<double>()[0] = share.loss;
+  sum.data_ptr<double>()[1] = double(share.tokens);
+  world_.all_reduce_sum(sum);
+  const double v = sum.data_ptr<double>()[0] / sum.data_ptr<double>()[1];
+  if (metrics_) metrics_->write({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
+  return v;
+}
+
+// The optimizer's full state for a checkpoint: gathered from every rank's shard under ZeRO-1.
+NamedTensors StepLoop::optimizer_state() {
+  if (!sharded_) return optim_.state();
+  const ParameterShard& shard = optim_.shard();
+  return optim_.state(shard.unpad(world_.all_gather(optim_.exp_avg())), shard.unpad(world_.all_gather(optim_.exp_avg_sq())));
+}
+
+void StepLoop::checkpoint() {
+  st_.data = loader_.position();
+  st_.rng_state = capture_rng_state();
+  st_.config_toml = cfg_.to_toml();
+  st_.global_batch = global_batch_;
+  const NamedTensors optimizer = optimizer_state();  // collective: every rank takes part
+  if (root_) save_checkpoint(run_.dir, model_, optimizer, st_, cfg_.train.keep_checkpoints);
+  run_.saved = true;
+}
+
+// The run's end: the final evaluation and (rank 0) summary.json.
+TrainResult StepLoop::finish(TrainResult result, Progress& bar, std::chrono::steady_clock::time_point t0,
+                             double step_seconds) {
+  // A run finished by --resume after dying past its final checkpoint reuses what it logged
+  // (rank 0 read it; the others only need to take part in the evaluation when there is one).
+  at::Tensor reuse = at::empty({1}, at::kLong);
+  reuse.data_ptr<int64_t>()[0] = result.losses.empty() && logged_.val_loss ? 1 : 0;
+  world_.broadcast(reuse);
+  if (result.losses.empty() && logged_.loss) result.last_loss = *logged_.loss;
+  result.val_loss = reuse.data_ptr<int64_t>()[0] ? logged_.val_loss.value_or(-1) : evaluate_and_log(st_.step);
+  bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
+  result.step = st_.step;
+  if (root_) write_summary(result, t0, step_seconds);
+  return result;
+}
+
+// Throughput of the job and peak memory of this process (after a resume: of the resumed part only).
+void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_clock::time_point t0,
+                             double step_seconds) {
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens_here = double(int64_t(result.losses.size()) * cfg_.tokens_per_step(ranks_));
+  int64_t val_tokens = 0;
+  for (const at::Tensor& b : inputs_.val_batches) val_tokens += b.size(0) * (b.size(1) - 1);
+  nlohmann::json summary = {{"step", st_.step},
+                            {"tokens_seen", st_.tokens_seen},
+                            {"train_seconds", seconds},
+                            {"train_loss", result.last_loss},
+                            {"val_loss", result.val_loss},
+                            {"val_tokens", val_tokens},
+                            {"val_ppl", std::exp(result.val_loss)},
+                            {"device", cfg_.train.device},
+                            {"dtype", cfg_.train.dtype},
+                            {"world_size", ranks_},
+                            {"global_batch", global_batch_},
+                            {"zero", cfg_.train.zero},
+                            {"optimizer_state_bytes_per_rank", optim_.state_bytes()}};
+  if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
+    summary["tokens_per_s"] = tokens_here / step_seconds;
+    summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base_;  // CPU tensors
+    if (!inputs_.device.is_cpu()) summary["peak_device_bytes"] = device_peak_bytes(inputs_.device);  // max_memory_allocated
+    summary["peak_rss_bytes"] = peak_rss_bytes();
+  }
+  write_file_atomic(run_.dir / "summary.json", summary.dump(2) + "\n");
+}
+
+// One rank's part of the job (all of it in a job of one): opening or resuming the run, then the
+// step loop.
 TrainResult train_rank(const TrainOptions& opt, World& world) {
-  Config cfg = opt.config;
-  const fs::path& run_dir = opt.run_dir;
+  const Config& cfg = opt.config;
   const bool root = world.root();
   const int64_t ranks = world.size();
   if (!root) Progress::set_enabled(false);  // rank 0 speaks for the job
@@ -211,53 +564,25 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
   // Open and check everything that can fail on bad input before anything is written. Every rank
   // checks for itself (each reads the same files), so each fails alike.
   const int64_t total = cfg.total_steps(ranks);
-  const int64_t T = cfg.model.seq_len;
-  const int64_t global_batch = ranks * cfg.train.grad_accum * cfg.train.micro_batch;
-  StartInputs inputs = open_start_inputs(opt, opt.launch.local_rank);
-  const at::Device device = inputs.device;
-  const TokenDataset& train_data = inputs.train_data;
-  const auto& val_batches = inputs.val_batches;
+  const StartInputs inputs = open_start_inputs(opt, opt.launch.local_rank);
 
   // One process at a time owns a run directory (its lock): rank 0. A fresh run creates it.
-  std::error_code ec;
-  bool created = false;
-  std::optional<DirectoryLock> lock;
-  std::optional<Checkpoint> ckpt;
-  bool complete = false;
+  RunDirectory run(opt.run_dir);
   std::exception_ptr error;
-  if (root) {
-    try {
-      if (run_dir.has_parent_path()) fs::create_directories(run_dir.parent_path());
-      created = fs::create_directory(run_dir);  // true only for the call that made it
-      lock.emplace(run_dir);
-      if (opt.resume) {
-        ckpt = load_checkpoint(*find_checkpoint(run_dir), true);  // under the lock: the current latest
-      } else if (holds_checkpoints(run_dir)) {
-        fail(run_dir.string(), ": run directory already has checkpoints (pass --resume, or choose another --run-dir)");
-      }
-      if (ckpt) complete = check_resume(opt, ckpt->state, ckpt->dir, train_data, ranks);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  // From here on, a job that fails before its first checkpoint (bad input on any rank, a shard
-  // that changed, a rank that died) leaves no half-made run directory behind: rank 0 removes the
-  // one it created, while it holds the lock, or puts back the files it changed in an existing
-  // one. A run that diverges keeps its directory: its metrics show how.
-  bool saved = false, diverged = false, touched = false;
-  const fs::path config_path = run_dir / "config.toml", metrics_path = run_dir / "metrics.jsonl";
-  std::optional<std::string> old_config, old_metrics;
-  if (lock && !error) {
-    if (fs::exists(config_path)) old_config = read_file(config_path);
-    if (fs::exists(metrics_path)) old_metrics = read_file(metrics_path);
+  if (root) error = open_run_directory(opt, inputs.train_data, ranks, run);
+  // From here on, a job that fails before its first checkpoint puts the directory back
+  // (undo_start): what it will change is read first.
+  if (run.lock && !error) {
+    if (fs::exists(run.config_path)) run.old_config = read_file(run.config_path);
+    if (fs::exists(run.metrics_path)) run.old_metrics = read_file(run.metrics_path);
   }
   try {
-    world.agree(!error, "start-up", error ? World::Facts{} : data_facts(cfg, train_data, inputs.val_data));
+    world.agree(!error, "start-up", error ? World::Facts{} : data_facts(cfg, inputs.train_data, inputs.val_data));
     if (error) std::rethrow_exception(error);
     // Every rank resumes from the checkpoint rank 0 chose under the lock.
     at::Tensor chosen = at::empty({2}, at::kLong);
-    chosen.data_ptr<int64_t>()[0] = ckpt ? ckpt->state.step : -1;
-    chosen.data_ptr<int64_t>()[1] = complete;
+    chosen.data_ptr<int64_t>()[0] = run.checkpoint ? run.checkpoint->state.step : -1;
+    chosen.data_ptr<int64_t>()[1] = run.complete;
     world.broadcast(chosen);
     const int64_t resume_step = chosen.data_ptr<int64_t>()[0];
     if (chosen.data_ptr<int64_t>()[1]) {
@@ -266,247 +591,12 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
       done.complete = true;
       return done;
     }
-
-    std::optional<Transformer> model_slot;
-    std::optional<AdamW> optim_slot;
-    TrainerState st;
-    int64_t memory_base = 0;
-    try {
-      if (!root && resume_step >= 0) ckpt = load_checkpoint(*find_checkpoint(run_dir, checkpoint_name(resume_step)), true);
-      // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
-      Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
-      TensorMemory::install();  // counts from here: the model, its optimizer state, every step
-      memory_base = TensorMemory::current_bytes();
-      TensorMemory::reset_peak();
-      reset_device_peak(device);
-      model_slot.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat, compute_dtype_of(cfg.train));
-      const std::vector<int64_t> sizes = AdamW::sizes(model_slot->parameters());
-      optim_slot.emplace(model_slot->parameters(), cfg.optim,
-                         ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
-      st.seed = cfg.train.seed;
-      if (ckpt) {
-        model_slot->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
-        optim_slot->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
-        st = ckpt->state;
-        restore_rng_state(st.rng_state, (ckpt->dir / "state.json").string());
-      }
-    } catch (...) {
-      error = std::current_exception();
-    }
-    // Every rank loaded the same checkpoint (rank 0's choice, by name; its bytes the same).
-    World::Facts loaded;
-    if (ckpt && !error) loaded = {{"checkpoint (state.json)", fingerprint(read_file(ckpt->dir / "state.json", 64u << 20))}};
-    world.agree(!error, "start-up", loaded);
-    if (error) std::rethrow_exception(error);
-    Transformer& model = *model_slot;
-    AdamW& optim = *optim_slot;
-    // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
-    for (const auto& p : model.parameters().all()) {
-      at::Tensor data = p.tensor.detach();
-      world.broadcast(data);
-    }
-    std::vector<at::Tensor> param_tensors;
-    for (const auto& p : model.parameters().all()) param_tensors.push_back(p.tensor);
-    const std::unique_ptr<GradientReducer> reducer = world.gradient_reducer(param_tensors);
-    const bool sharded = cfg.train.zero && ranks > 1;
-
-    const int64_t data_seed = cfg.train.data_seed >= 0 ? cfg.train.data_seed : cfg.train.seed;
-    BatchLoader loader(train_data, cfg.train.micro_batch, T, uint64_t(data_seed), st.data);
-    LoggedStep logged;
-    std::optional<MetricsLog> metrics;
-    if (root) {
-      touched = true;
-      write_file_atomic(config_path, cfg.to_toml());
-      logged = truncate_metrics(metrics_path, st.step);
-      metrics.emplace(metrics_path);
-    }
-    if (Progress::enabled()) {
-      std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s%s\n", run_dir.c_str(),
-                   cfg.residual.kind.c_str(), (long long)total, (long long)cfg.tokens_per_step(ranks),
-                   ranks > 1 ? cat(" on ", ranks, " ranks (", process_group_backend(cfg.train), ")").c_str() : "",
-                   ckpt ? cat(", resuming at step ", st.step).c_str() : "");
-      if (cfg.train.zero)
-        std::fprintf(stderr, "ZeRO-1: AdamW state of %lld of %lld parameters per rank, %lld bytes\n",
-                     (long long)(optim.shard().end - optim.shard().begin), (long long)optim.total_elements(),
-                     (long long)optim.state_bytes());
-    }
-    auto log = [&](const nlohmann::json& j) {
-      if (metrics) metrics->write(j);
-    };
-
-    // The optimizer's full state for a checkpoint: gathered from every rank's shard under ZeRO-1.
-    auto optimizer_state = [&]() {
-      if (!sharded) return optim.state();
-      const ParameterShard& shard = optim.shard();
-      return optim.state(shard.unpad(world.all_gather(optim.exp_avg())), shard.unpad(world.all_gather(optim.exp_avg_sq())));
-    };
-    auto checkpoint = [&]() {
-      st.data = loader.position();
-      st.rng_state = capture_rng_state();
-      st.config_toml = cfg.to_toml();
-      st.global_batch = global_batch;
-      const NamedTensors optimizer = optimizer_state();  // collective: every rank takes part
-      if (root) save_checkpoint(run_dir, model, optimizer, st, cfg.train.keep_checkpoints);
-      saved = true;
-    };
-    auto run_eval = [&](int64_t step) {
-      const LossSum share = evaluate_share(model, val_batches, world.rank(), ranks);
-      at::Tensor sum = at::empty({2}, at::kDouble);
-      sum.data_ptr<double>()[0] = share.loss;
-      sum.data_ptr<double>()[1] = double(share.tokens);
-      world.all_reduce_sum(sum);
-      const double v = sum.data_ptr<double>()[0] / sum.data_ptr<double>()[1];
-      log({{"step", step}, {"val_loss", v}, {"val_ppl", std::exp(v)}});
-      return v;
-    };
-
-    TrainResult result;
-    result.step = st.step;
-    Progress bar("train", total, "tok");
-    const int64_t tokens_per_step = cfg.tokens_per_step(ranks);
-    const auto t0 = std::chrono::steady_clock::now();
-    double last_val = -1;
-    double step_seconds = 0;  // training steps only (not evaluations or checkpoints)
-    while (st.step < total) {
-      world.set_step(st.step);
-      const auto step_start = std::chrono::steady_clock::now();
-      const double lr = learning_rate(cfg.optim, st.step, total);
-      model.parameters().zero_grad();
-      double loss_sum = 0;
-      const bool log_step = (st.step + 1) % cfg.train.log_every == 0 || st.step + 1 == total;
-      // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
-      // balance term and per-layer expert load (max over mean share), averaged for the log; read
-      // (a device sync each) on the steps that are logged only.
-      const bool moe = cfg.model.moe.enabled() && log_step;
-      std::vector<double> moe_sum;
-      for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
-        // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
-        const at::Tensor batch = loader.next(world.rank(), ranks).to(device);
-        reducer->begin_micro_step(m == cfg.train.grad_accum - 1);
-        at::Tensor loss = model.loss(batch) / double(cfg.train.grad_accum);
-        reducer->before_backward();
-        try {
-          loss.backward();
-        } catch (const std::exception& e) {
-          // The last micro-step's backward also averages the gradients across ranks: a failure
-          // there that is not this rank's own (an allocation) is the collective's.
-          if (ranks > 1 && m == cfg.train.grad_accum - 1 && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
-            throw CollectiveError(one_line(e));
-          throw;
-        }
-        loss_sum += loss.item<double>();
-        if (moe) {
-          const MoeTerms& t = model.moe_terms();
-          std::vector<double> v = {t.lm_loss.item<double>(), t.aux_loss.item<double>(), t.balance.item<double>()};
-          for (double x : t.load_max_over_mean()) v.push_back(x);
-          moe_sum.resize(v.size(), 0.0);
-          for (size_t i = 0; i < v.size(); ++i) moe_sum[i] += v[i] / double(cfg.train.grad_accum);
-        }
-      }
-      // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
-      // the ranks at different steps; they stop together).
-      at::Tensor shared = at::empty({2 + int64_t(moe_sum.size())}, at::kDouble);
-      shared.data_ptr<double>()[0] = loss_sum;
-      shared.data_ptr<double>()[1] = g_stop_signal.load() != 0 ? 1.0 : 0.0;
-      for (size_t i = 0; i < moe_sum.size(); ++i) shared.data_ptr<double>()[2 + i] = moe_sum[i];
-      world.all_reduce_sum(shared);
-      loss_sum = shared.data_ptr<double>()[0] / double(ranks);
-      for (size_t i = 0; i < moe_sum.size(); ++i) moe_sum[i] = shared.data_ptr<double>()[2 + i] / double(ranks);
-      const bool signalled = shared.data_ptr<double>()[1] > 0;
-      const double gnorm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip);
-      if (!std::isfinite(loss_sum) || !std::isfinite(gnorm)) {
-        diverged = true;
-        auto last = find_checkpoint(run_dir);
-        fail("non-finite ", std::isfinite(loss_sum) ? "gradient norm" : "loss", " at step ", st.step + 1,
-             " (loss ", loss_sum, ", grad norm ", gnorm, "); stopping. Last good checkpoint: ",
-             last ? last->string() : "none");
-      }
-      optim.step(lr);
-      if (sharded) optim.set_parameters(optim.shard().unpad(world.all_gather(optim.shard_of_parameters())));  // ZeRO-1
-      step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-      ++st.step;
-      st.tokens_seen += tokens_per_step;
-      result.losses.push_back(loss_sum);
-      result.last_loss = loss_sum;
-
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (log_step) {
-        nlohmann::json j = {{"step", st.step}, {"loss", loss_sum}, {"lr", lr}, {"grad_norm", gnorm},
-                            {"tokens", st.tokens_seen}, {"elapsed_s", elapsed}};
-        if (moe) {  // "loss" is the optimised total: lm_loss + aux_loss
-          j["lm_loss"] = moe_sum[0];
-          j["aux_loss"] = moe_sum[1];
-          j["balance"] = moe_sum[2];
-          j["expert_load"] = std::vector<double>(moe_sum.begin() + 3, moe_sum.end());
-        }
-        log(j);
-      }
-      char status[96];
-      std::snprintf(status, sizeof status, "loss %.4f lr %.2e%s", loss_sum, lr,
-                    last_val >= 0 ? cat(" val ", std::round(last_val * 1e4) / 1e4).c_str() : "");
-      bar.update(st.step, double(st.tokens_seen), status);
-
-      if (cfg.train.eval_every > 0 && st.step % cfg.train.eval_every == 0 && st.step != total)
-        last_val = run_eval(st.step);
-      const bool stop = signalled || st.step == opt.stop_after;
-      if (stop || st.step == total ||
-          (cfg.train.checkpoint_every > 0 && st.step % cfg.train.checkpoint_every == 0))
-        checkpoint();
-      if (stop && st.step != total) {
-        bar.finish("interrupted");
-        if (root)
-          std::fprintf(stderr, "stopped at step %lld; checkpoint saved, continue with --resume\n", (long long)st.step);
-        result.interrupted = true;
-        result.signal = g_stop_signal.load() ? g_stop_signal.load() : (signalled ? SIGINT : 0);
-        result.step = st.step;
-        return result;
-      }
-    }
-    // A run finished by --resume after dying past its final checkpoint reuses what it logged
-    // (rank 0 read it; the others only need to take part in the evaluation when there is one).
-    at::Tensor reuse = at::empty({1}, at::kLong);
-    reuse.data_ptr<int64_t>()[0] = result.losses.empty() && logged.val_loss ? 1 : 0;
-    world.broadcast(reuse);
-    if (result.losses.empty() && logged.loss) result.last_loss = *logged.loss;
-    result.val_loss = reuse.data_ptr<int64_t>()[0] ? logged.val_loss.value_or(-1) : run_eval(st.step);
-    bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
-    result.step = st.step;
-    if (!root) return result;
-    // Throughput of the job and peak memory of this process (after a resume: of the resumed part only).
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const double tokens_here = double(int64_t(result.losses.size()) * tokens_per_step);
-    int64_t val_tokens = 0;
-    for (const at::Tensor& b : val_batches) val_tokens += b.size(0) * (b.size(1) - 1);
-    nlohmann::json summary = {{"step", st.step},
-                              {"tokens_seen", st.tokens_seen},
-                              {"train_seconds", seconds},
-                              {"train_loss", result.last_loss},
-                              {"val_loss", result.val_loss},
-                              {"val_tokens", val_tokens},
-                              {"val_ppl", std::exp(result.val_loss)},
-                              {"device", cfg.train.device},
-                              {"dtype", cfg.train.dtype},
-                              {"world_size", ranks},
-                              {"global_batch", global_batch},
-                              {"zero", cfg.train.zero},
-                              {"optimizer_state_bytes_per_rank", optim.state_bytes()}};
-    if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
-      summary["tokens_per_s"] = tokens_here / step_seconds;
-      summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base;  // CPU tensors
-      if (!device.is_cpu()) summary["peak_device_bytes"] = device_peak_bytes(device);  // max_memory_allocated
-      summary["peak_rss_bytes"] = peak_rss_bytes();
-    }
-    write_file_atomic(run_dir / "summary.json", summary.dump(2) + "\n");
-    return result;
+    StartState start;
+    start_from(opt, world, inputs.device, resume_step, run.checkpoint, start);
+    StepLoop loop(opt, world, inputs, run, start, total);
+    return loop.run();
   } catch (...) {
-    if (lock && !saved && !diverged) {
-      if (created) {
-        fs::remove_all(run_dir, ec);
-      } else if (touched) {  // a resumed run: config.toml and metrics.jsonl as they were
-        if (old_config) write_file_atomic(config_path, *old_config);
-        if (old_metrics) write_file_atomic(metrics_path, *old_metrics);
-      }
-    }
+    undo_start(run);
     throw;
   }
 }

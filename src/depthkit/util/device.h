@@ -1,6 +1,6 @@
 // Where a run's tensors live: `train.device` resolved to an at::Device, and the device facts that
 // training and `bench` need around it (the allocator's peak memory; synchronisation for timing).
-// This file needs no CUDA headers: the CUDA allocator is asked through ops/cuda/device_info.h,
+// This file needs no CUDA headers: the CUDA allocator is asked through util/cuda/device_info.h,
 // compiled only with DEPTHKIT_CUDA, and a build without it answers -1 (unknown).
 #pragma once
 #include <c10/core/Device.h>

@@ -1,5 +1,6 @@
 #include "depthkit/util/numbers.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -74,6 +75,13 @@ std::string number_text(double x) {
   char buf[64];
   const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, x);
   return ec == std::errc() ? std::string(buf, end) : cat(x);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) fail("median of no values");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 }  // namespace depthkit

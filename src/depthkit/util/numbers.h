@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace depthkit {
 
@@ -27,5 +28,9 @@ std::string range_text(double lo, double hi, double type_max, Bound lo_bound = B
                        Bound hi_bound = Bound::closed);
 std::string range_text(int64_t lo, int64_t hi);
 std::string range_text(uint64_t lo, uint64_t hi);
+
+// The median of timings (the benches report medians over repeats); an even count takes the mean
+// of the middle two. Fails on an empty list.
+double median(std::vector<double> values);
 
 }  // namespace depthkit

@@ -28,6 +28,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -343,6 +344,20 @@ double cross_entropy_rows(const at::Tensor& z, const at::Tensor& targets, bool g
   double total = 0;
   for (double l : loss) total += l;
   return total;
+}
+
+void addmm_in_row_blocks(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta, double alpha) {
+  if (out.dim() != 2 || a.dim() != 2 || b.dim() != 2 || a.size(0) != out.size(0) || b.size(1) != out.size(1) ||
+      a.size(1) != b.size(0))
+    fail("addmm_in_row_blocks: expected out [r, c] = a [r, k] b [k, c], got ", out.sizes(), ", ", a.sizes(), " and ",
+         b.sizes());
+  // Detached: the blocks run on worker threads, which do not inherit the caller's exclusion of
+  // autograd, and an out= product refuses inputs that require grad.
+  const at::Tensor a_in = a.detach(), b_in = b.detach(), out_in = out.detach();
+  for_each_gemm_block(out.size(0), [&](int64_t, int64_t r0, int64_t rows) {
+    at::Tensor o = out_in.narrow(0, r0, rows);
+    at::addmm_out(o, o, a_in.narrow(0, r0, rows), b_in, beta, alpha);
+  });
 }
 
 }  // namespace depthkit::cpu

@@ -35,4 +35,9 @@ at::Tensor swiglu_backward(const at::Tensor& grad, const at::Tensor& gate_up);
 // softmax(z) − onehot(target), row by row (the gradient of that sum).
 double cross_entropy_rows(const at::Tensor& z, const at::Tensor& targets, bool gradient);
 
+// out [r, c] = β out + α a [r, k] b [k, c], one BLAS call per fixed block of out's rows
+// (kernel_math.h, for_each_gemm_block), so that the result does not depend on the thread count.
+// With β = 0, out's old contents are not read. (The linear cross-entropy's three products.)
+void addmm_in_row_blocks(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta, double alpha);
+
 }  // namespace depthkit::cpu

@@ -217,4 +217,32 @@ void parallel_for_blocks(int64_t P, int64_t token_grain, const F& f) {
   });
 }
 
+// Matrix products whose results must not depend on the number of threads run on fixed blocks of
+// rows, one BLAS call per block inside a parallel region: a BLAS left to thread one product itself
+// splits it by the thread count (MKL on AMD EPYC does, for mhc_pre's projection and the linear
+// cross-entropy's three products), and the sums then round differently. A call made inside an
+// active parallel region runs on one thread; with one thread, at::set_num_threads has set the BLAS
+// to one. At least two blocks, so that the region is active whenever there are two threads or more.
+constexpr int64_t kGemmRows = 256;
+
+struct GemmBlocks {
+  int64_t size, count;
+};
+
+inline GemmBlocks gemm_blocks(int64_t rows) {
+  const int64_t wanted = std::min<int64_t>(rows, std::max<int64_t>(2, (rows + kGemmRows - 1) / kGemmRows));
+  const int64_t size = wanted == 0 ? 1 : (rows + wanted - 1) / wanted;
+  return {size, (rows + size - 1) / size};
+}
+
+// fn(block, first row, rows) for every block of gemm_blocks(rows), the blocks in parallel.
+template <class Fn>
+void for_each_gemm_block(int64_t rows, const Fn& fn) {
+  const GemmBlocks blocks = gemm_blocks(rows);
+  at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      fn(b, b * blocks.size, std::min(rows, (b + 1) * blocks.size) - b * blocks.size);
+  });
+}
+
 }  // namespace depthkit::cpu

@@ -58,33 +58,10 @@ namespace {
 
 at::ScalarType wide_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// The projection's GEMMs run on fixed blocks of tokens, one BLAS call per block inside a
-// parallel region, so that their results do not depend on the number of threads: a BLAS left to
-// thread one [P, md] × [md, n] product itself splits it by the thread count (MKL on AMD EPYC gave
-// proj and ∂x differing in the last bit between 1, 2 and 3 threads). A call made inside an active
-// parallel region runs on one thread; with one thread, at::set_num_threads has set the BLAS to one.
-// At least two blocks, so that the region is active whenever there are two threads or more; ∂φ,
-// a sum over tokens, is one partial product per block, added in block order.
-constexpr int64_t kGemmTokens = 256;
-
-struct GemmBlocks {
-  int64_t size, count;
-};
-
-GemmBlocks gemm_blocks(int64_t P) {
-  const int64_t wanted = std::min<int64_t>(P, std::max<int64_t>(2, (P + kGemmTokens - 1) / kGemmTokens));
-  const int64_t size = wanted == 0 ? 1 : (P + wanted - 1) / wanted;
-  return {size, (P + size - 1) / size};
-}
-
-// fn(block, first token, tokens) for every block, the blocks in parallel.
-template <class Fn>
-void for_each_gemm_block(int64_t P, const Fn& fn) {
-  const GemmBlocks blocks = gemm_blocks(P);
-  at::parallel_for(0, blocks.count, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) fn(b, b * blocks.size, std::min(P, (b + 1) * blocks.size) - b * blocks.size);
-  });
-}
+// The projection's GEMMs run per fixed block of tokens (kernel_math.h, for_each_gemm_block):
+// left to thread one [P, md] × [md, n] product itself, MKL on AMD EPYC split it by the thread
+// count and proj and ∂x differed in the last bit between 1, 2 and 3 threads. ∂φ, a sum over
+// tokens, is one partial product per block, added in block order.
 
 // Contiguous loops over d, kept out of the AT_DISPATCH lambdas (a pragma can't sit in a macro
 // argument). o = a (rounded to storage);  o = c x + w g. (a = w x is kernel_math's set_scaled.)

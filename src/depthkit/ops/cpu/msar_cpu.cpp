@@ -531,6 +531,10 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
   return h;
 }
 
+// One function of ~170 lines on purpose: the sub-tile's buffers (V, DV, GX, Z, ∂Z and the gate
+// rows) are thread-local and reused by every step of the per-tile pipeline below, whose steps are
+// already functions of their own (expand_tile, hpre_gates, expand_backward_tile, add_rows); what
+// is left is the order in which they run over one sub-tile, which reads best in one place.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
                    const OptTensor& partial_opt, const OptTensor& partial_conv_opt, const OptTensor& w_pre_opt,

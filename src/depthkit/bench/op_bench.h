@@ -1,4 +1,4 @@
-// `depthkit bench --ops`: each of the nine fused operators against its reference composition
+// `depthkit bench --ops`: each fused operator (bench_op_names) against its reference composition
 // (ops/reference/), forward plus backward, at the tiny config's shapes and at the 0.1B shapes,
 // timed interleaved in one process (medians over repeats); and the fused read's achieved
 // bandwidth against a plain copy measured in the same run (docs/benchmarks.md).
@@ -13,7 +13,7 @@ namespace depthkit {
 
 // A plain copy of a tensor into another of its shape (at::Tensor::copy_): the speed memory
 // allows, against which `bench --ops` rates the fused operators and `bench --kinds` the
-// pathways' traffic (train/bench.h). Timed in the same rounds as what it is compared with, so
+// pathways' traffic (bench/bench.h). Timed in the same rounds as what it is compared with, so
 // that both see the same machine.
 struct PlainCopy {
   at::Tensor src, dst;
@@ -29,7 +29,8 @@ struct OpTiming {
   // What the fused forward + backward must move at the least: each input and output of the
   // forward, and each input and gradient of the backward, once (storage types).
   double bytes = 0;
-  // The median time of what both must do and fusion cannot remove (mhc_pre: three GEMMs), or 0.
+  // The median time of what both must do and fusion cannot remove (mhc_pre, linear_cross_entropy:
+  // three GEMMs), or 0.
   double irreducible_ms = 0;
   double copy_gbs = 0;  // a plain copy at this shape, same run (ReadBandwidth)
   double speedup() const { return reference_ms / fused_ms; }
@@ -56,5 +57,9 @@ struct OpBenchReport {
 
 // shapes: "tiny", "0.1b" or "all"; repeats: timed repetitions of each (after one warm-up).
 OpBenchReport bench_ops(const std::string& shapes, int64_t repeats);
+
+// The operators bench_ops times, one case each, in its order ("depth_read", …): what
+// tests/test_operator_checklist.cpp holds to the registered operators.
+std::vector<std::string> bench_op_names();
 
 }  // namespace depthkit

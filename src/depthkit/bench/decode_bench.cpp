@@ -1,4 +1,4 @@
-#include "depthkit/eval/decode_bench.h"
+#include "depthkit/bench/decode_bench.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <chrono>
 
+#include "depthkit/model/config_check.h"
 #include "depthkit/model/transformer.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 #include "depthkit/util/progress.h"
 
 namespace depthkit {
@@ -16,11 +18,6 @@ namespace depthkit {
 namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 }  // namespace
 
 std::vector<DecodeBenchRow> bench_decoding(const Config& cfg, const std::vector<std::string>& kinds,
@@ -33,7 +30,7 @@ std::vector<DecodeBenchRow> bench_decoding(const Config& cfg, const std::vector<
   std::vector<DecodeBenchRow> rows;
   Progress progress("decode", int64_t(kinds.size() * lengths.size()), "runs");
   for (const std::string& kind : kinds) {
-    Config c = Config::parse(cfg.to_toml(), "bench --decode",
+    Config c = parse_config(cfg.to_toml(), "bench --decode",
                              {"residual.kind=" + kind, "model.seq_len=" + std::to_string(std::max(longest, cfg.model.seq_len))});
     Transformer model(c.model, c.residual, at::kCPU, c.train.seed, at::kFloat, compute_dtype_of(c.train));
     auto g = at::make_generator<at::CPUGeneratorImpl>(c.train.seed);

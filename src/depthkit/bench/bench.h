@@ -69,7 +69,7 @@ struct BenchResult {
   DispatchMemory dispatch;
   // The pathway's memory traffic per step, `depthkit cost`'s count (CostReport::
   // training_traffic_bytes, forward and backward, in the compute dtype), and the bandwidth of a
-  // plain copy timed three times a round among the steps (PlainCopy, train/op_bench.h; the same for
+  // plain copy timed three times a round among the steps (PlainCopy, bench/op_bench.h; the same for
   // every variant): what the pathway's bytes take at the speed memory allows.
   double traffic_bytes = 0;
   double copy_gbs = 0;

@@ -1,6 +1,6 @@
 #include <cuda_runtime.h>
 
-#include "depthkit/ops/cuda/device_info.h"
+#include "depthkit/util/cuda/device_info.h"
 
 namespace depthkit::cuda {
 

@@ -1,9 +1,9 @@
-// The CUDA allocator's counters (ops/cuda/device_info.h). A host-compiler file: it needs c10's
+// The CUDA allocator's counters (util/cuda/device_info.h). A host-compiler file: it needs c10's
 // CUDA headers (and through them cuda_runtime_api.h), not nvcc.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 
-#include "depthkit/ops/cuda/device_info.h"
+#include "depthkit/util/cuda/device_info.h"
 
 namespace depthkit::cuda {
 

@@ -1,10 +1,11 @@
-#include "depthkit/train/op_bench.h"
+#include "depthkit/bench/op_bench.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/rand.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -12,6 +13,8 @@
 #include <chrono>
 #include <functional>
 
+#include "depthkit/model/layers.h"
+#include "depthkit/ops/backbone_ops.h"
 #include "depthkit/ops/dar_ops.h"
 #include "depthkit/ops/fused.h"
 #include "depthkit/ops/mhc_ops.h"
@@ -20,6 +23,7 @@
 #include "depthkit/ops/reference/reference.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 
 namespace depthkit {
 
@@ -42,7 +46,8 @@ namespace {
 struct Shape {
   std::string name;
   int64_t N, P, d;  // completed sources, tokens (batch · sequence), width
-  int64_t T;        // sequence length (MSAR's convolutions run along it): P = B · T
+  int64_t T;        // sequence length (MSAR's convolutions and RoPE's positions run along it): P = B · T
+  int64_t heads, kv_heads, head_dim, d_ff, vocab;  // the backbone's operators
   std::string label() const { return cat(name, ": N=", N, " P=", P, " d=", d); }
 };
 
@@ -57,16 +62,11 @@ struct Case {
   std::function<std::vector<at::Tensor>()> fused, reference;  // the outputs
   std::vector<at::Tensor> cotangents;                           // one per output
   double bytes;                                                 // OpTiming::bytes
-  // The work of the reference that fusion cannot remove, where there is some (mhc_pre: its
-  // three matrix products, which the fused op runs in ATen as well); timed with the others.
+  // The work of the reference that fusion cannot remove, where there is some (mhc_pre and
+  // linear_cross_entropy: their three matrix products, which the fused ops run in ATen as well);
+  // timed with the others.
   std::function<void()> irreducible = nullptr;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 template <class Fn>
 double time_ms(Fn&& fn) {
@@ -80,6 +80,9 @@ double run(const Case& c, const std::function<std::vector<at::Tensor>()>& op) {
   return time_ms([&] { torch::autograd::backward(op(), c.cotangents); });
 }
 
+// Every operator's case at shape s, in registration order. Long as a table is long (13 cases of
+// about a dozen lines, each in its own scope and sharing only leaf, cotangent and F), not deep:
+// a case is read and changed on its own, which one function per family would not make easier.
 std::vector<Case> cases(const Shape& s, at::Generator& g) {
   using Outputs = std::vector<at::Tensor>;
   const int64_t N = s.N, P = s.P, d = s.d;
@@ -211,6 +214,41 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    // forward: x, f in, x'; backward: ∂x', x, f in, ∂x, ∂f
                    F * (5 * m + 3) * P * d});
   }
+  {  // The backbone's operators at the layer's widths: the RMSNorm before each sublayer, RoPE on
+     // the fused q/k/v projection, SwiGLU on the fused gate/up projection, the LM head's loss.
+    at::Tensor x = leaf({P, d}), w = (at::rand({d}, g) + 0.5).requires_grad_();
+    auto norm = [=](auto op) { return [=] { return Outputs{op(x, w, 1e-5)}; }; };
+    out.push_back({"rms_norm", {x, w}, norm(fused::rms_norm), norm(reference::rms_norm), {cotangent({P, d})},
+                   F * 5 * P * d});  // forward: x in, y out; backward: ∂y, x in, ∂x out (r, w: a row each)
+    const int64_t H = s.heads, KV = s.kv_heads, hd = s.head_dim, C = (H + 2 * KV) * hd, B = P / s.T;
+    const Rope rope(hd, s.T, 10000.0, at::kCPU);
+    at::Tensor qkv = leaf({B, s.T, C});
+    auto rotate = [=, cos = rope.cos, sin = rope.sin](auto op) {
+      return [=] {
+        auto [q, k, v] = op(qkv, cos, sin, H, KV, 0);
+        return Outputs{q, k, v};
+      };
+    };
+    out.push_back({"rope_qkv", {qkv}, rotate(fused::rope_qkv), rotate(reference::rope_qkv),
+                   {cotangent({B, s.T, H, hd}), cotangent({B, s.T, KV, hd}), cotangent({B, s.T, KV, hd})},
+                   F * 4 * P * C});  // forward: qkv in, q, k, v out; backward: ∂q, ∂k, ∂v in, ∂qkv out
+    at::Tensor gate_up = leaf({P, 2 * s.d_ff});
+    auto swiglu = [=](auto op) { return [=] { return Outputs{op(gate_up)}; }; };
+    out.push_back({"swiglu", {gate_up}, swiglu(fused::swiglu), swiglu(reference::swiglu), {cotangent({P, s.d_ff})},
+                   // forward: gate_up in, out; backward: ∂out, gate_up in, ∂gate_up out
+                   F * 8 * P * s.d_ff});
+    const int64_t V = s.vocab;
+    at::Tensor hidden = leaf({P, d}), head = leaf({V, d}, 0.05);
+    const at::Tensor targets = at::randint(V, {P}, g, at::TensorOptions().dtype(at::kLong));
+    auto loss = [=](auto op) { return [=] { return Outputs{op(hidden, head, targets)}; }; };
+    out.push_back({"linear_cross_entropy", {hidden, head}, loss(fused::linear_cross_entropy),
+                   loss(reference::linear_cross_entropy), {cotangent({})},
+                   F * 2 * (P + V) * d,  // forward: hidden, W in; backward: ∂hidden, ∂W out
+                   // the logits' product and the two of the gradient, which both run
+                   [h = hidden.detach(), W = head.detach(), dz = cotangent({P, V})] {
+                     at::Tensor z = at::mm(h, W.t()), dh = at::mm(dz, W), dw = at::mm(dz.t(), h);
+                   }});
+  }
   return out;
 }
 
@@ -239,10 +277,20 @@ ReadBandwidth bandwidth(const Shape& s, at::Generator& g, int64_t repeats) {
 
 }  // namespace
 
+std::vector<std::string> bench_op_names() {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(0);
+  std::vector<std::string> names;
+  for (const Case& c : cases({"names", 1, 2, 2, 2, 1, 1, 2, 1, 2}, g)) names.push_back(c.op);  // the least shape
+  return names;
+}
+
 OpBenchReport bench_ops(const std::string& shapes, int64_t repeats) {
   std::vector<Shape> all;
-  if (shapes == "tiny" || shapes == "all") all.push_back({"tiny", 5, 16 * 256, 128, 256});  // configs/tiny.toml, last block
-  if (shapes == "0.1b" || shapes == "all") all.push_back({"0.1b", 9, 4096, 640, 4096});     // dense-0.1b, T = 4096
+  // configs/tiny.toml, its last block; configs/paper/dense-0.1b.toml at T = 4096, but with
+  // configs/bench/wide.toml's vocabulary (4,096): at the 0.1B model's 65,536 the linear
+  // cross-entropy's reference alone takes seconds a repeat on a CPU.
+  if (shapes == "tiny" || shapes == "all") all.push_back({"tiny", 5, 16 * 256, 128, 256, 4, 2, 32, 384, 4096});
+  if (shapes == "0.1b" || shapes == "all") all.push_back({"0.1b", 9, 4096, 640, 4096, 10, 5, 64, 2560, 4096});
   if (all.empty()) fail("bench --ops: shapes must be tiny, 0.1b or all, got \"", shapes, "\"");
   auto g = at::make_generator<at::CPUGeneratorImpl>(0);
   OpBenchReport report;

@@ -1,4 +1,4 @@
-#include "depthkit/model/parameters.h"
+#include "depthkit/nn/parameters.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>

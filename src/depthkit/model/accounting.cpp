@@ -1,5 +1,6 @@
-#include "depthkit/analysis/accounting.h"
+#include "depthkit/model/accounting.h"
 
+#include "depthkit/model/router.h"
 #include "depthkit/pathways/registry.h"
 
 namespace depthkit {
@@ -35,9 +36,10 @@ CostReport training_cost(const ModelConfig& model, const ResidualConfig& residua
   const double ffn = 2 * 3 * d * double(model.d_ff);                                  // SwiGLU
   double ffn_layers = double(model.n_layers) * ffn;
   if (const MoeConfig& e = model.moe; e.enabled()) {
-    // An MoE layer per token: the router (d × E), the SwiGLUs of the k experts the token reaches
-    // and of the shared experts, and the gate-weighted sum of the k outputs.
-    const double moe_ffn = 2 * d * double(e.n_experts) +
+    // An MoE layer per token: the router (its cost terms in the router table, model/router.h; the
+    // product W_r x for the routers there), the SwiGLUs of the k experts the token reaches and of
+    // the shared experts, and the gate-weighted sum of the k outputs.
+    const double moe_ffn = moe_router(e.router).flops(model.d_model, e) +
                            2 * 3 * d * double(e.top_k * e.expert_d_ff + e.n_shared_experts * e.resolved_shared_d_ff()) +
                            2 * double(e.top_k) * d;
     ffn_layers = double(e.leading_dense_layers) * ffn + double(model.n_layers - e.leading_dense_layers) * moe_ffn;

@@ -1,4 +1,4 @@
-#include "depthkit/train/bench.h"
+#include "depthkit/bench/bench.h"
 
 #include <ATen/TensorOperators.h>
 
@@ -14,15 +14,17 @@
 #include <cmath>
 #include <memory>
 
-#include "depthkit/analysis/accounting.h"
+#include "depthkit/model/accounting.h"
 #include "depthkit/dist/world.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/moe.h"
+#include "depthkit/model/config_check.h"
 #include "depthkit/model/transformer.h"
-#include "depthkit/train/op_bench.h"
+#include "depthkit/bench/op_bench.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
+#include "depthkit/util/numbers.h"
 #include "depthkit/util/memory.h"
 
 namespace depthkit {
@@ -89,12 +91,6 @@ struct Bench {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 void summarise(BenchResult& r, int64_t tokens_per_step) {
   r.median_step_s = median(r.step_s);
   r.tokens_per_step = tokens_per_step;
@@ -124,10 +120,12 @@ DispatchMemory measure_dispatch(const Config& c, at::Device device) {
       auto x = layer.ops.rms_norm(h, layer.norm, layer.eps).reshape({-1, m.d_model});
       Routing routing = layer.route(x);
       router_during = mem.current() - start;
-      // After the forward, only what backward saved of these stays: the probabilities and the
-      // chosen experts, the normalised input where the router's product saved it (float32), the
-      // gathered probabilities where renormalising saved them. The rest is released.
+      // After the forward, only what backward saved of these stays: the scores (softmax_topk's are
+      // its probabilities) and the chosen experts, the normalised input where the router's product
+      // saved it (float32), the gathered scores where renormalising saved them. The rest is
+      // released, sigmoid_topk's normalised probabilities too (the balance loss keeps their mean).
       routing.logits.reset();
+      routing.probs.reset();
       routing.gates.reset();
       x.reset();
       router_after = mem.current() - start;
@@ -175,7 +173,7 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
   for (const auto& v : variants) {
     const std::string source = cat("variant '", v.name, "'");
     try {
-      configs.push_back(Config::parse(cfg.to_toml(), source, v.overrides));
+      configs.push_back(parse_config(cfg.to_toml(), source, v.overrides));
     } catch (const Error& e) {
       const std::string what = e.what();
       throw Error(what.rfind(source, 0) == 0 ? what : cat(source, ": ", what));
