@@ -333,11 +333,11 @@ std::string Fuzz::config_text_, Fuzz::npy_, Fuzz::tokens_text_;
 TEST_F(Fuzz, Configs) {
   Tally tally{"config"};
   const fs::path config = scratch_ / "config.toml", out = scratch_ / "ck";
-  // Every declared key (Config::keys, so that none is missed) is first given a hostile value with
-  // --set and then in the file, before the cases are drawn at random.
+  // The first 2n cases give every one of the n declared keys (Config::keys, so that none is missed
+  // and a new key is fuzzed without a line here) a hostile value, first with --set and then in the
+  // file; the rest are drawn at random.
   const std::vector<ConfigKey> keys = Config::keys();
   const int64_t n = int64_t(keys.size());
-  std::set<std::string> set_keys, file_keys;
   for (int64_t i = 0; i < std::max(scaled(480), 2 * n); ++i) {
     std::vector<std::string> args = {"init", "--config", config.string(), "--out", out.string()};
     // An allocation the checks let through names what it was building instead of a key.
@@ -353,13 +353,11 @@ TEST_F(Fuzz, Configs) {
         break;
       }
       case 0:  // a key given a hostile value with --set
-        set_keys.insert(key);
         args.insert(args.end(), {"--set", key + "=" + value});
         // A combination of keys that cannot run is named by the file where the others come from.
         names = {"--set", key, config.string(), "out of memory while building", "building the model:"};
         break;
       case 1: {  // a key given a hostile value in the file, in its section (added when missing)
-        file_keys.insert(key);
         const std::string& section = declared.section;
         const std::string& name = declared.key;
         const size_t at = text.find("[" + section + "]\n");
@@ -379,10 +377,6 @@ TEST_F(Fuzz, Configs) {
     const Outcome o = run_cli(args, scratch_);
     tally.check(o, names, "config " + (args.size() > 5 ? args.back() : text));
     fs::remove_all(out);
-  }
-  for (const ConfigKey& k : keys) {
-    EXPECT_TRUE(set_keys.count(k.path())) << k.path() << " was never given a hostile value with --set";
-    EXPECT_TRUE(file_keys.count(k.path())) << k.path() << " was never given a hostile value in the file";
   }
 }
 

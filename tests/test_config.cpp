@@ -13,6 +13,9 @@
 
 namespace depthkit::test {
 
+// Config's own checks, without the registries' names and checks (model/config_check.h).
+const ConfigRules kNoRules{};
+
 TEST(Config, LoadsEveryShippedConfig) {
   int64_t n = 0;
   for (const auto& e : fs::recursive_directory_iterator(source_dir() + "/configs")) {
@@ -27,8 +30,8 @@ TEST(Config, LoadsEveryShippedConfig) {
 TEST(Config, WideBenchPresetHasTheDense01bLayer) {
   // configs/bench/wide.toml is `bench --kinds` at the 0.1B width (issue 18): dense-0.1b's layer,
   // the widths `bench --ops 0.1b` times the operators at, in 4 layers of T 512 × batch 4.
-  const Config w = Config::load(source_dir() + "/configs/bench/wide.toml");
-  const Config p = Config::load(source_dir() + "/configs/paper/dense-0.1b.toml");
+  const Config w = load_config(source_dir() + "/configs/bench/wide.toml");
+  const Config p = load_config(source_dir() + "/configs/paper/dense-0.1b.toml");
   EXPECT_EQ(w.model.d_model, p.model.d_model);
   EXPECT_EQ(w.model.n_heads, p.model.n_heads);
   EXPECT_EQ(w.model.n_kv_heads, p.model.n_kv_heads);
@@ -42,50 +45,50 @@ TEST(Config, WideBenchPresetHasTheDense01bLayer) {
 }
 
 TEST(Config, UnknownKeyIsNamed) {
-  expect_error([] { Config::parse("[model]\nn_layer = 3\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[model]\nn_layer = 3\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"x.toml", "unknown key 'model.n_layer'"});
-  expect_error([] { Config::parse("[modle]\nn_layers = 3\n", "x.toml"); }, {"x.toml", "unknown section '[modle]'"});
+  expect_error([] { Config::parse("[modle]\nn_layers = 3\n", "x.toml", kNoRules); }, {"x.toml", "unknown section '[modle]'"});
 }
 
 TEST(Config, WrongTypeIsNamed) {
-  expect_error([] { Config::parse("[model]\nn_layers = \"4\"\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[model]\nn_layers = \"4\"\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"x.toml", "'model.n_layers'", "must be an integer", "string \"4\""});
-  expect_error([] { Config::parse("[model]\ntie_embeddings = 1\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[model]\ntie_embeddings = 1\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"'model.tie_embeddings'", "true or false"});
-  expect_error([] { Config::parse("[optim]\nlr = \"fast\"\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[optim]\nlr = \"fast\"\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"'optim.lr'", "must be a number"});
 }
 
 TEST(Config, OutOfRangeIsNamed) {
-  expect_error([] { Config::parse("[model]\nn_layers = 0\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[model]\nn_layers = 0\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"'model.n_layers'", "got 0"});
-  expect_error([] { Config::parse("[optim]\nschedule = \"linear\"\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[optim]\nschedule = \"linear\"\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"'optim.schedule'", "\"cosine\", \"wsd\"", "\"linear\""});
-  expect_error([] { Config::parse("[model]\nn_heads = 4\nn_kv_heads = 3\n[train]\nsteps=1\n", "x.toml"); },
+  expect_error([] { Config::parse("[model]\nn_heads = 4\nn_kv_heads = 3\n[train]\nsteps=1\n", "x.toml", kNoRules); },
                {"'model.n_kv_heads'"});
-  expect_error([] { Config::parse("[train]\nsteps = 0\n", "x.toml"); }, {"'train.steps'"});
+  expect_error([] { Config::parse("[train]\nsteps = 0\n", "x.toml", kNoRules); }, {"'train.steps'"});
 }
 
 TEST(Config, SyntaxErrorNamesFileAndLine) {
-  expect_error([] { Config::parse("[model\nn_layers = 3\n", "broken.toml"); }, {"broken.toml:1", "syntax"});
+  expect_error([] { Config::parse("[model\nn_layers = 3\n", "broken.toml", kNoRules); }, {"broken.toml:1", "syntax"});
 }
 
 TEST(Config, SetOverrides) {
   const std::string base = "[train]\nsteps = 10\n";
-  Config c = Config::parse(base, "x.toml", {"model.n_layers=28", "optim.lr=1e-3", "train.device=cpu",
+  Config c = Config::parse(base, "x.toml", kNoRules, {"model.n_layers=28", "optim.lr=1e-3", "train.device=cpu",
                                             "model.tie_embeddings=true", "optim.schedule=\"wsd\""});
   EXPECT_EQ(c.model.n_layers, 28);
   EXPECT_DOUBLE_EQ(c.optim.lr, 1e-3);
   EXPECT_TRUE(c.model.tie_embeddings);
   EXPECT_EQ(c.optim.schedule, "wsd");
-  expect_error([&] { Config::parse(base, "x.toml", {"model.nope=1"}); }, {"--set model.nope=1", "unknown key 'model.nope'"});
-  expect_error([&] { Config::parse(base, "x.toml", {"model.n_layers=abc"}); }, {"'model.n_layers'", "must be an integer"});
-  expect_error([&] { Config::parse(base, "x.toml", {"n_layers"}); }, {"--set n_layers", "section.key=value"});
+  expect_error([&] { Config::parse(base, "x.toml", kNoRules, {"model.nope=1"}); }, {"--set model.nope=1", "unknown key 'model.nope'"});
+  expect_error([&] { Config::parse(base, "x.toml", kNoRules, {"model.n_layers=abc"}); }, {"'model.n_layers'", "must be an integer"});
+  expect_error([&] { Config::parse(base, "x.toml", kNoRules, {"n_layers"}); }, {"--set n_layers", "section.key=value"});
 }
 
 TEST(Config, ResolvedTomlRoundTrips) {
-  Config c = Config::load(source_dir() + "/configs/tiny.toml", {"model.head_dim=64", "optim.eps=1e-15"});
-  Config d = Config::parse(c.to_toml(), "resolved");
+  Config c = load_config(source_dir() + "/configs/tiny.toml", {"model.head_dim=64", "optim.eps=1e-15"});
+  Config d = parse_config(c.to_toml(), "resolved");
   EXPECT_EQ(c.to_toml(), d.to_toml());
   EXPECT_EQ(d.model.head_dim, 64);
   EXPECT_DOUBLE_EQ(d.optim.eps, 1e-15);
@@ -115,8 +118,8 @@ TEST(Config, InvalidPathwayCombinationsNameTheKey) {
 // owns them (model/config_check.h), so that config stays below the pathways.
 TEST(Config, NamesFromAboveAreCheckedByTheirOwners) {
   const std::string base = "[train]\nsteps = 1\n";
-  EXPECT_EQ(Config::parse(base, "x.toml", {"residual.kind=nope"}).residual.kind, "nope");
-  EXPECT_EQ(Config::parse(base, "x.toml", {"moe.router=nope"}).model.moe.router, "nope");
+  EXPECT_EQ(Config::parse(base, "x.toml", kNoRules, {"residual.kind=nope"}).residual.kind, "nope");
+  EXPECT_EQ(Config::parse(base, "x.toml", kNoRules, {"moe.router=nope"}).model.moe.router, "nope");
   expect_error([&] { parse_config(base, "x.toml", {"residual.kind=nope"}); },
                {"--set residual.kind=nope", "'residual.kind'", "\"dar\"", "got \"nope\""});
   expect_error([&] { parse_config("[moe]\nrouter = \"nope\"\n" + base, "x.toml"); },

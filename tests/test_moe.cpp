@@ -517,21 +517,25 @@ TEST(Moe, SigmoidRouterRanksByLogitsWhereScoresRoundEqual) {
   EXPECT_EQ(r.experts[0][2].item<int64_t>(), 0);  // 30 > 20, though the scores are equal
 }
 
-// The accounting counts each router's FLOPs from its table entry: they equal the reference's
-// count, and a model's backbone FLOPs differ between routers by 3 × (per MoE layer) their
+// The accounting counts each router's FLOPs as its reference does: the table's count equals the
+// reference's, and the backbone's FLOPs grow with the number of experts by the reference's
 // difference. (Accounting.MoeBackboneCountsTheActiveExperts counts the default's by hand.)
 TEST(Moe, EveryRouterCostIsCountedByTheAccounting) {
   ModelConfig c = moe_model(6, 2, 1);
   c.moe.leading_dense_layers = 1;  // one MoE layer of two
   const ResidualConfig residual;
-  const std::string base_router = MoeConfig{}.router;
-  const double base = training_cost(c, residual).backbone_flops;
-  const double base_router_flops = reference_routers().at(base_router).flops(c.d_model, c.moe.n_experts);
   for (const std::string& router : moe_router_names()) {
-    const double flops = reference_routers().at(router).flops(c.d_model, c.moe.n_experts);
-    EXPECT_DOUBLE_EQ(moe_router(router).flops(c.d_model, c.moe), flops) << router;
+    SCOPED_TRACE(router);
     c.moe.router = router;
-    EXPECT_DOUBLE_EQ(training_cost(c, residual).backbone_flops, base + 3.0 * (flops - base_router_flops)) << router;
+    const auto& reference = reference_routers().at(router).flops;
+    EXPECT_DOUBLE_EQ(moe_router(router).flops(c.d_model, c.moe), reference(c.d_model, c.moe.n_experts));
+    // Only the router's cost grows with the number of experts (a token reaches top_k of them):
+    // three more experts add the reference's difference, per token, forward and backward (3×),
+    // in the one MoE layer.
+    ModelConfig wider = c;
+    wider.moe.n_experts += 3;
+    const double added = training_cost(wider, residual).backbone_flops - training_cost(c, residual).backbone_flops;
+    EXPECT_DOUBLE_EQ(added, 3.0 * (reference(c.d_model, c.moe.n_experts + 3) - reference(c.d_model, c.moe.n_experts)));
   }
 }
 

@@ -24,8 +24,10 @@
 // in practice (docs/design.md once claimed checks that did not exist) is a missing test, which
 // this catches.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -61,10 +63,13 @@ std::set<std::string> registered_operators() {
   return ops;
 }
 
+// The forward operators; a failure when there are none (the library did not register them), so
+// that no check below passes by running over an empty list.
 std::vector<std::string> forward_operators() {
   std::vector<std::string> forward;
   for (const std::string& op : registered_operators())
     if (!is_backward(op)) forward.push_back(op);
+  EXPECT_FALSE(forward.empty()) << "no operator registered in the depthkit namespace";
   return forward;
 }
 
@@ -155,8 +160,14 @@ TEST(OperatorChecklist, EveryOperatorHasItsReferenceAndThreadCountCase) {
     const OperatorCase& c = *found->second;
     std::vector<at::Tensor> inputs;
     for (const at::Tensor& t : c.inputs) inputs.push_back(t.to(at::kDouble));
+    compare(inputs, c.fused, c.reference, 1e-10, {}, {}, /*seed=*/7);
+    // What the fused side dispatches alone, forward and backward.
     const std::set<std::string> ran = operators_dispatched([&] {
-      compare(inputs, c.fused, c.reference, 1e-10, {}, {}, /*seed=*/7);
+      std::vector<at::Tensor> leaves;
+      for (const at::Tensor& t : inputs) leaves.push_back(t.detach().clone().requires_grad_());
+      std::vector<at::Tensor> outs = c.fused(leaves), cotangents;
+      for (const at::Tensor& o : outs) cotangents.push_back(at::ones_like(o));
+      torch::autograd::backward(outs, cotangents);
     });
     EXPECT_TRUE(ran.count(op)) << "the case's fused side never ran depthkit::" << op;
     if (ops.count(op + kBackward)) {

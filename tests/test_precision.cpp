@@ -71,6 +71,8 @@ at::Tensor flat_grads(const Transformer& m) {
 
 }  // namespace
 
+TEST(Precision, KindsReachEveryKind) { expect_every_kind(precision_kinds(), "precision_kinds()"); }
+
 TEST(Precision, ComputeDtypeFollowsTrainDtype) {
   Config c = small_config("unused");
   EXPECT_EQ(c.train.dtype, "float32");

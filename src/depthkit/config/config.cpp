@@ -53,7 +53,7 @@ std::vector<Field> fields(Config& c) {
       {"moe", "n_shared_experts", &m.moe.n_shared_experts, 0, 4096},
       {"moe", "shared_d_ff", &m.moe.shared_d_ff, 0, 1 << 22},
       {"moe", "leading_dense_layers", &m.moe.leading_dense_layers, 0, 4096},
-      {"moe", "router", &m.moe.router},  // a name in model/moe.h's router table (ConfigRules)
+      {"moe", "router", &m.moe.router},  // a name in model/router.h's table (ConfigRules)
       {"moe", "renormalize", &m.moe.renormalize},
       {"moe", "aux_loss_coef", &m.moe.aux_loss_coef, 0, 1e6},
       {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
@@ -191,7 +191,7 @@ int64_t checked_mul(int64_t a, int64_t b, const std::string& where, const std::s
   return out;
 }
 
-void validate(const Config& c, const std::string& where) {
+void validate(const Config& c, const std::string& where, const ConfigRules& rules) {
   const auto& m = c.model;
   if (m.n_heads % m.n_kv_heads != 0)
     fail(where, ": key 'model.n_kv_heads' (", m.n_kv_heads, ") must divide model.n_heads (", m.n_heads, ")");
@@ -220,6 +220,7 @@ void validate(const Config& c, const std::string& where) {
                 checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
                 "the shared experts' bytes (3 x moe.n_shared_experts x moe.shared_d_ff x model.d_model x 4)");
   }
+  if (rules.check) rules.check(c, where);  // the kind's own checks, from above (ConfigRules)
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");
   if (c.data.dir.empty()) fail(where, ": key 'data.dir' must not be empty");
@@ -254,8 +255,8 @@ std::string grouped_experts_unsupported(const std::string& device, const std::st
   return "";
 }
 
-Config Config::parse(const std::string& text, const std::string& source,
-                     const std::vector<std::string>& overrides, const ConfigRules& rules) {
+Config Config::parse(const std::string& text, const std::string& source, const ConfigRules& rules,
+                     const std::vector<std::string>& overrides) {
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -298,13 +299,12 @@ Config Config::parse(const std::string& text, const std::string& source,
     auto value = parse_override_value(o.substr(eq + 1), where);
     assign(*f, *value.get("v"), where);
   }
-  validate(c, source);
-  if (rules.check) rules.check(c, source);
+  validate(c, source, rules);
   return c;
 }
 
-Config Config::load(const std::string& path, const std::vector<std::string>& overrides, const ConfigRules& rules) {
-  return parse(read_file(path, 16u << 20), path, overrides, rules);
+Config Config::load(const std::string& path, const ConfigRules& rules, const std::vector<std::string>& overrides) {
+  return parse(read_file(path, 16u << 20), path, rules, overrides);
 }
 
 std::vector<ConfigKey> Config::keys() {

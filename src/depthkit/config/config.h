@@ -158,14 +158,14 @@ struct Config {
   OptimConfig optim;
 
   // Loads a TOML file, applies "section.key=value" overrides, validates every key's type and range
-  // and the keys' relations, then applies `rules`. Throws depthkit::Error. Without rules, names
-  // defined above config (residual.kind, moe.router) are not checked: a program loads a config
-  // through model/config_check.h, which passes them.
-  static Config load(const std::string& path, const std::vector<std::string>& overrides = {},
-                     const ConfigRules& rules = {});
+  // and the keys' relations, and applies `rules`. Throws depthkit::Error. The rules are required
+  // so that no caller forgets them: a program loads a config through model/config_check.h, which
+  // passes the registries'; with ConfigRules{} (config's own tests), names defined above config
+  // (residual.kind, moe.router) are not checked.
+  static Config load(const std::string& path, const ConfigRules& rules, const std::vector<std::string>& overrides = {});
   // Same from TOML text; `source` names it in messages.
-  static Config parse(const std::string& toml_text, const std::string& source,
-                      const std::vector<std::string>& overrides = {}, const ConfigRules& rules = {});
+  static Config parse(const std::string& toml_text, const std::string& source, const ConfigRules& rules,
+                      const std::vector<std::string>& overrides = {});
   // Every declared key, in declaration order (the order of to_toml and values).
   static std::vector<ConfigKey> keys();
   // The fully resolved configuration (every key, defaults included) as TOML.

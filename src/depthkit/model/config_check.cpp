@@ -16,11 +16,11 @@ const ConfigRules& model_config_rules() {
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return Config::load(path, overrides, model_config_rules());
+  return Config::load(path, model_config_rules(), overrides);
 }
 
 Config parse_config(const std::string& toml_text, const std::string& source, const std::vector<std::string>& overrides) {
-  return Config::parse(toml_text, source, overrides, model_config_rules());
+  return Config::parse(toml_text, source, model_config_rules(), overrides);
 }
 
 }  // namespace depthkit

@@ -222,7 +222,9 @@ void parallel_for_blocks(int64_t P, int64_t token_grain, const F& f) {
 // splits it by the thread count (MKL on AMD EPYC does, for mhc_pre's projection and the linear
 // cross-entropy's three products), and the sums then round differently. A call made inside an
 // active parallel region runs on one thread; with one thread, at::set_num_threads has set the BLAS
-// to one. At least two blocks, so that the region is active whenever there are two threads or more.
+// to one. At least two blocks when there are two rows or more, so that the region is active
+// whenever there are two threads or more. (A one-row product, such as a last chunk of one token,
+// is one call outside a region, which the BLAS may still thread.)
 constexpr int64_t kGemmRows = 256;
 
 struct GemmBlocks {
