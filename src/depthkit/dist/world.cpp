@@ -256,6 +256,22 @@ struct World::Impl {
     }
   }
 
+  // Every rank counts itself in once it has read every rank's entry of `round`; the rank that hosts
+  // the store (rank 0 without an agent store) then waits until all have, at most 2 × kSilence (a
+  // rank that died meanwhile is not waited for longer). What a round shows may end a rank (ranks
+  // that disagree, a rank that failed): the host must not take the store down with it while another
+  // rank still reads, or that rank says "rank 0 is gone" instead of the disagreement.
+  void linger_until_read(const std::string& round) {
+    const std::string readers = cat(round, "/read");
+    int64_t read = store->add(readers, 1);
+    if (rank != 0 || agent_store) return;
+    const auto until = std::chrono::steady_clock::now() + 2 * kSilence;
+    while (read < size && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(5ms);
+      read = store->add(readers, 0);
+    }
+  }
+
   std::vector<Json> exchange_through_store(const std::string& round, const Json& mine, const std::string& what,
                                            const std::function<void(int64_t, const Json&)>& arrived) {
     const auto key = [&](int64_t r) { return cat(round, "/", r); };
@@ -271,7 +287,10 @@ struct World::Impl {
         if (arrived) arrived(next, all[next]);
         ++next;
       }
-      if (next == size) return all;
+      if (next == size) {
+        linger_until_read(round);
+        return all;
+      }
       // A rank that is not coming: the cause it published when it stopped, or else how it is missing.
       auto stop = [&](const std::string& missing_rank) {
         const std::string cause = published(*store);
