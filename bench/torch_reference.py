@@ -156,8 +156,10 @@ class AttnRes:
         d = m["d_model"]
         self.sched = Schedule(r["block_sublayers"], 2 * m["n_layers"], r["share_within_block"])
         self.q = [None, None]
-        for l in range(2, self.sched.L + 1):  # branch 1 has one candidate: no query
+        for l in range(2, self.sched.L + 1):  # branch 1 has one candidate: no query of its own
             o = self.sched.owner(l)
+            if o < l and self.q[o] is None:  # shared with a block's first branch: it gets one (query.1)
+                self.q[o] = P(f"query.{o}", (d,), "zeros")
             self.q.append(self.q[o] if o < l else P(f"query.{l}", (d,), "zeros"))
         self.out_q = P("out_query", (d,), "zeros")
         n_src = 1 + self.sched.blocks()
@@ -397,7 +399,7 @@ class Model(torch.nn.Module):
     """The backbone (src/depthkit/model): branches ℓ = 1 … 2L alternate attention and SwiGLU, each
     reading its input from the pathway and writing its output back (docs/design.md, "The seam")."""
 
-    def __init__(self, m, r):
+    def __init__(self, m, r, nn=False):
         super().__init__()
         d, V, L = m["d_model"], m["vocab_size"], m["n_layers"]
         self.H, self.KV = m["n_heads"], m.get("n_kv_heads", m["n_heads"])
@@ -417,7 +419,14 @@ class Model(torch.nn.Module):
             self.ffn.append({"norm": P(f + "norm", (d,), "ones"), "w_gate": P(f + "w_gate", (m["d_ff"], d), "normal", std),
                              "w_up": P(f + "w_up", (m["d_ff"], d), "normal", std),
                              "w_down": P(f + "w_down", (d, m["d_ff"]), "normal", out_std)})
-        self.path = PATHWAYS[r["kind"]](r, m, Params(self, "residual."))
+        if nn:  # the pathway from depthkit.nn (fused operators), under the same parameter names
+            import depthkit.nn
+
+            options = {k: v for k, v in r.items() if k not in ("kind", "impl")}
+            self.add_module("residual", depthkit.nn.make(r["kind"], d, 2 * L, **options))
+            self.path = None
+        else:
+            self.path = PATHWAYS[r["kind"]](r, m, Params(self, "residual."))
         self.final_norm = P("final_norm", (d,), "ones")
         self.lm_head = self.embedding if m.get("tie_embeddings", False) else P("lm_head", (V, d), "normal", std)
         theta = m.get("rope_theta", 10000.0)
@@ -446,6 +455,14 @@ class Model(torch.nn.Module):
         return F.linear(F.silu(F.linear(x, p["w_gate"])) * F.linear(x, p["w_up"]), p["w_down"])
 
     def forward(self, tokens):
+        if self.path is None:  # depthkit.nn owns the depth loop over the same branches
+            branches = []
+            for i in range(len(self.attn)):
+                branches += [lambda h, i=i: self.attention(self.attn[i], h),
+                             lambda h, i=i: self.feed_forward(self.ffn[i], h)]
+            h = self.residual(F.embedding(tokens, self.embedding), branches)
+            h = F.rms_norm(h, (self.final_norm.shape[0],), self.final_norm, self.eps)
+            return F.linear(h, self.lm_head)
         s = self.path.begin(F.embedding(tokens, self.embedding))
         for l in range(1, 2 * len(self.attn) + 1):
             h = self.path.read(s, l)
@@ -571,14 +588,19 @@ def time_steps(args):
     if t.get("threads", 0):
         torch.set_num_threads(t["threads"])
     model = Model(m, r)
+    if args.mode.startswith("nn-"):  # the pathway from depthkit.nn, the rest as written here,
+        plain, model = model, Model(m, r, nn=True)  # from the same initial parameters
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(dict(plain.named_parameters())[name])
     decay = [p for p in model.parameters() if p.dim() >= 2]  # as depthkit: matrices decay
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.get("weight_decay", 0.1)},
                              {"params": other, "weight_decay": 0.0}],
                             lr=o.get("lr", 3e-4), betas=(o.get("beta1", 0.9), o.get("beta2", 0.95)), eps=o.get("eps", 1e-8),
                             # compile mode is the fastest a PyTorch user gets: with ATen's fused AdamW kernel too
-                            fused=args.mode == "compile")
-    loss_fn = torch.compile(lm_loss, dynamic=False) if args.mode == "compile" else lm_loss
+                            fused=args.mode.endswith("compile"))
+    loss_fn = torch.compile(lm_loss, dynamic=False) if args.mode.endswith("compile") else lm_loss
     B, accum, T, V = t.get("micro_batch", 8), t.get("grad_accum", 1), m["seq_len"], m["vocab_size"]
     times, warm = [], []
     for i in range(args.warmup + args.steps):
@@ -601,7 +623,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.toml")
     ap.add_argument("--kind", default="residual", choices=KINDS, help="the pathway to time")
-    ap.add_argument("--mode", default="eager", choices=["eager", "compile"])
+    ap.add_argument("--mode", default="eager", choices=["eager", "compile", "nn-compile"],
+                    help="nn-compile: the pathway from depthkit.nn (fused operators), compiled with the rest")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens in the first)")
     ap.add_argument("--check", action="store_true", help="compare logits with `depthkit forward` for --kinds")

@@ -44,7 +44,7 @@ SETS=(--set model.vocab_size=512 --set model.seq_len=64 --set model.d_model=64 -
 "$DK" train --config "$SRC/configs/tiny.toml" "${SETS[@]}" --run-dir run --json >/dev/null 2>train.log \
   || { cat train.log; fail "train"; }
 
-# eval --task: three accuracies with standard errors, chance, truncations; the text says the same.
+# eval --task: four accuracies (total, per token, per byte, acc_norm) with standard errors, chance, truncations; the text says the same.
 "$DK" eval --run-dir run --task cloze.jsonl --json >ev.json 2>ev.log || { cat ev.log; fail "eval --task"; }
 "$DK" eval --run-dir run --task cloze.jsonl >ev.txt 2>/dev/null
 python3 - <<'PY' || fail "eval --task --json"
@@ -54,7 +54,7 @@ assert r["type"] == "multiple_choice" and r["metric"] == "per_token" and r["task
 assert r["items"] == 40 and r["sequences"] == 160 and r["shots"] == 0 and r["seed"] == 3, r
 assert r["step"] == 60 and r["checkpoint"].endswith("step_00000060"), r
 assert r["chance"] == 0.25, r
-for m in ("per_token", "total", "per_byte"):
+for m in ("per_token", "total", "per_byte", "acc_norm"):
     a = r["accuracy"][m]
     right = round(a["value"] * 40)
     assert abs(a["value"] - right / 40) < 1e-12, a

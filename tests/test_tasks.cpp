@@ -47,6 +47,22 @@ std::unique_ptr<Transformer> sharp_model(const std::string& kind, int64_t vocab,
   return model;
 }
 
+// The harness's split of a context and a continuation, written from its description
+// (lm-evaluation-harness's TemplateLM._encode_pair): trailing spaces of the context move to the
+// continuation; the continuation's ids are those that follow the context's in the whole text's.
+// (ASCII whitespace only: the tests' texts have no other.)
+Continuation split_like_the_harness(const Tokenizer& tok, std::string context, std::string continuation) {
+  while (!context.empty() && (context.back() == ' ' || context.back() == '\n' || context.back() == '\t')) {
+    continuation.insert(continuation.begin(), context.back());
+    context.pop_back();
+  }
+  std::vector<int> ctx = {tok.eos_id()}, whole = {tok.eos_id()};
+  const auto a = tok.encode(context), b = tok.encode(context + continuation);
+  ctx.insert(ctx.end(), a.begin(), a.end());
+  whole.insert(whole.end(), b.begin(), b.end());
+  return {ctx, std::vector<int>(whole.begin() + int64_t(ctx.size()), whole.end())};
+}
+
 // Σ log p(continuation | context) from one forward of context ++ continuation alone.
 double naive_logprob(Transformer& model, const std::vector<int>& context, const std::vector<int>& continuation) {
   at::NoGradGuard no_grad;
@@ -189,14 +205,14 @@ TEST(TasksScoring, TruncationsAreCountedInTheReport) {
   EXPECT_EQ(r.truncated, 3);
   EXPECT_EQ(r.to_json()["truncated"], 3);
   EXPECT_NE(r.to_text().find("3 of 5 candidates"), std::string::npos) << r.to_text();
-  // The candidates' scores are those of the naive forward on [eos] + context, cut from the left.
-  std::vector<int> ctx = {tok.eos_id()};
-  const auto ids = tok.encode(long_context);
-  ctx.insert(ctx.end(), ids.begin(), ids.end());
+  // The candidates' scores are those of the naive forward on [eos] + context, split as the
+  // harness splits it and cut from the left.
   std::vector<Continuation> requests;
-  for (const char* c : {" the end.", " a file.", " an error."}) requests.push_back({ctx, tok.encode(c)});
+  for (const char* c : {" the end.", " a file.", " an error."})
+    requests.push_back(split_like_the_harness(tok, long_context, c));
   const auto scores = score_continuations(model, requests);
   for (size_t c = 0; c < 3; ++c) {
+    const std::vector<int>& ctx = requests[c].context;
     const std::vector<int> kept(ctx.end() - (25 - int64_t(requests[c].continuation.size())), ctx.end());
     EXPECT_NEAR(scores[c].logprob, naive_logprob(model, kept, requests[c].continuation), 1e-4);
   }
@@ -228,37 +244,60 @@ TEST(TasksScoring, AccuraciesFollowTheScores) {
   TaskOptions opt;
   opt.progress = false;
   const TaskResult r = evaluate_task(model, tok, task, opt);
-  std::vector<double> total, token, byte;
+  std::vector<double> total, token, byte, character;
   double chance = 0;
   for (size_t i = 0; i < contexts.size(); ++i) {
-    std::vector<int> ctx = {tok.eos_id()};
-    const auto ids = tok.encode(contexts[i]);
-    ctx.insert(ctx.end(), ids.begin(), ids.end());
-    double best[3] = {-1e300, -1e300, -1e300};
-    int64_t arg[3] = {0, 0, 0};
+    double best[4] = {-1e300, -1e300, -1e300, -1e300};
+    int64_t arg[4] = {0, 0, 0, 0};
     for (size_t c = 0; c < choices[i].size(); ++c) {
-      const auto cont = tok.encode(choices[i][c]);
-      const double lp = naive_logprob(model, ctx, cont);
-      const double v[3] = {lp, lp / double(cont.size()), lp / double(choices[i][c].size())};
-      for (int m = 0; m < 3; ++m)
+      const Continuation q = split_like_the_harness(tok, contexts[i], choices[i][c]);
+      const double lp = naive_logprob(model, q.context, q.continuation);
+      // acc_norm divides by characters: the choices are ASCII, so by their bytes too, as per_byte.
+      const double v[4] = {lp, lp / double(q.continuation.size()), lp / double(choices[i][c].size()),
+                           lp / double(choices[i][c].size())};
+      for (int m = 0; m < 4; ++m)
         if (v[m] > best[m]) best[m] = v[m], arg[m] = int64_t(c);
     }
     const int64_t gold = int64_t(i % choices[i].size());
     total.push_back(arg[0] == gold);
     token.push_back(arg[1] == gold);
     byte.push_back(arg[2] == gold);
+    character.push_back(arg[3] == gold);
     EXPECT_EQ(r.predictions[i], arg[1]) << i;
     chance += 1.0 / double(choices[i].size()) / double(contexts.size());
   }
   EXPECT_DOUBLE_EQ(r.total.value, mean_with_stderr(total).value);
   EXPECT_DOUBLE_EQ(r.per_token.value, mean_with_stderr(token).value);
   EXPECT_DOUBLE_EQ(r.per_byte.value, mean_with_stderr(byte).value);
+  EXPECT_DOUBLE_EQ(r.acc_norm.value, mean_with_stderr(character).value);
   EXPECT_DOUBLE_EQ(r.per_token.standard_error, mean_with_stderr(token).standard_error);
   EXPECT_NEAR(r.chance, chance, 1e-12);
   const auto j = r.to_json();
   EXPECT_EQ(j["type"], "multiple_choice");
   EXPECT_EQ(j["metric"], "per_token");
   EXPECT_DOUBLE_EQ(j["accuracy"]["per_byte"]["value"].get<double>(), r.per_byte.value);
+}
+
+// The harness's split: trailing whitespace of the context (str.rstrip(), so Unicode spaces too)
+// moves to the continuation, and the continuation is cut from the whole text's ids.
+TEST(TasksScoring, ContextAndContinuationSplitAsTheHarnessDoes) {
+  const std::string& data = prepared_corpus();
+  Tokenizer tok(data + "/tokenizer.model");
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"Question: which module reads files?\nAnswer: ", "the reader"}, {"the mod", "ule returns"},
+      {"the list of ", "values."}, {"a\t\n", "b"}, {"x", "y"}, {"the end", "."}};
+  for (const auto& [context, continuation] : pairs) {
+    const Continuation got = harness_split(tok, context, continuation);
+    const Continuation want = split_like_the_harness(tok, context, continuation);
+    EXPECT_EQ(got.context, want.context) << context;
+    EXPECT_EQ(got.continuation, want.continuation) << context << "|" << continuation;
+  }
+  // "Answer: " + "5" reads as "Answer:" + " 5".
+  std::vector<int> answer = {tok.eos_id()};
+  for (int id : tok.encode("Answer:")) answer.push_back(id);
+  EXPECT_EQ(harness_split(tok, "Answer: ", "5").context, answer);
+  // U+3000 IDEOGRAPHIC SPACE and U+00A0 NO-BREAK SPACE are whitespace to str.rstrip().
+  EXPECT_EQ(harness_split(tok, "Answer:\u3000\u00a0", "5").context, answer);
 }
 
 // Standard error of the mean of 0/1 scores: the sample standard deviation over √n.

@@ -26,7 +26,7 @@ struct EvalArgs {
   std::string task, dev;
   int64_t shots = -1, limit = 0;
   uint64_t seed = 0;
-  bool has_seed = false;
+  bool has_seed = false, per_item = false;
 };
 
 int run_eval_task(const EvalArgs& a) {
@@ -40,12 +40,15 @@ int run_eval_task(const EvalArgs& a) {
   TaskOptions opt;
   opt.shots = a.shots;
   opt.limit = a.limit;
+  opt.per_item = a.per_item;
   if (a.has_seed) opt.seed = a.seed;
   const TaskResult r = evaluate_task(*run.model, *tokenizer, task, opt);
   nlohmann::json j = r.to_json();
   j["checkpoint"] = run.checkpoint.string();
   j["step"] = run.step;
-  if (a.json) std::printf("%s\n", j.dump().c_str());
+  // A generated output (--per-item) may end inside a UTF-8 sequence the decoder cut: replaced, not
+  // an exception from the dump.
+  if (a.json) std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   else std::printf("%s (step %lld) on %s", run.checkpoint.c_str(), (long long)run.step, r.to_text().c_str());
   return 0;
 }
@@ -84,7 +87,10 @@ void add_eval(CLI::App& app, Action& action) {
   add_number(cmd, "--shots", a->shots, 0, 1000, "few-shot examples before each item (default: the task's)")->needs(task);
   add_number(cmd, "--limit", a->limit, 1, INT64_MAX, "score only the first N items")->needs(task);
   auto* seed = add_number(cmd, "--seed", a->seed, 0, UINT64_MAX, "seed of the few-shot draws (default: the task's)")->needs(task);
-  cmd->add_flag("--json", a->json, "print JSON");
+  auto* json_flag = cmd->add_flag("--json", a->json, "print JSON");
+  cmd->add_flag("--per-item", a->per_item, "with --json: every scored item's scores and choices (\"per_item\")")
+      ->needs(task)
+      ->needs(json_flag);
   cmd->callback([&action, a, seed] {
     a->has_seed = seed->count() > 0;
     action = [a] { return a->task.empty() ? run_eval(*a) : run_eval_task(*a); };

@@ -60,18 +60,104 @@ void check_choices(const TaskItem& item, const Where& at) {
     fail(at, ": gold index ", item.gold, " is outside the ", item.choices.size(), " choices (0-based)");
 }
 
-// HellaSwag-style: {"ctx": ..., "endings": [...], "label": i} (or ctx_a/ctx_b instead of ctx).
-// The endings continue the context after a space, as the data set's own sentences do.
+// One code point of valid UTF-8 at `s[i]` (JSON text is valid UTF-8): its value, and i moves past it.
+char32_t next_code_point(std::string_view s, size_t& i) {
+  const auto b = static_cast<unsigned char>(s[i]);
+  const int extra = b < 0x80 ? 0 : b < 0xE0 ? 1 : b < 0xF0 ? 2 : 3;
+  char32_t c = extra == 0 ? b : extra == 1 ? (b & 0x1F) : extra == 2 ? (b & 0x0F) : (b & 0x07);
+  ++i;
+  for (int k = 0; k < extra && i < s.size(); ++k, ++i) c = (c << 6) | (static_cast<unsigned char>(s[i]) & 0x3F);
+  return c;
+}
+
+void append_utf8(std::string& out, char32_t c) {
+  if (c < 0x80) {
+    out += char(c);
+  } else if (c < 0x800) {
+    out += char(0xC0 | (c >> 6));
+    out += char(0x80 | (c & 0x3F));
+  } else if (c < 0x10000) {
+    out += char(0xE0 | (c >> 12));
+    out += char(0x80 | ((c >> 6) & 0x3F));
+    out += char(0x80 | (c & 0x3F));
+  } else {
+    out += char(0xF0 | (c >> 18));
+    out += char(0x80 | ((c >> 12) & 0x3F));
+    out += char(0x80 | ((c >> 6) & 0x3F));
+    out += char(0x80 | (c & 0x3F));
+  }
+}
+
+// Python's str.lower() and the title case str.capitalize() gives a first character, for code points
+// up to U+017F (checked against CPython 3.11 over that whole range); beyond it, `c` itself.
+void append_lower(std::string& out, char32_t c) {
+  if ((c >= 0x41 && c <= 0x5A) || (c >= 0xC0 && c <= 0xDE && c != 0xD7)) return append_utf8(out, c + 32);
+  if (c == 0x130) {  // İ lowercases to i and a combining dot above
+    append_utf8(out, 0x69);
+    return append_utf8(out, 0x307);
+  }
+  if (c == 0x178) return append_utf8(out, 0xFF);
+  // Latin Extended-A's pairs: capital then small.
+  if ((c >= 0x100 && c <= 0x137 && c % 2 == 0) || (c >= 0x139 && c <= 0x148 && c % 2 == 1) ||
+      (c >= 0x14A && c <= 0x177 && c % 2 == 0) || (c >= 0x179 && c <= 0x17E && c % 2 == 1))
+    return append_utf8(out, c + 1);
+  append_utf8(out, c);
+}
+
+void append_title(std::string& out, char32_t c) {
+  switch (c) {  // the special casings: ß → Ss, ŉ → ʼN, ſ → S, µ → Μ, ÿ → Ÿ, ı → I
+    case 0xDF: out += "Ss"; return;
+    case 0x149: append_utf8(out, 0x2BC); out += 'N'; return;
+    case 0x17F: out += 'S'; return;
+    case 0xB5: return append_utf8(out, 0x39C);
+    case 0xFF: return append_utf8(out, 0x178);
+    case 0x131: out += 'I'; return;
+    default: break;
+  }
+  if ((c >= 0x61 && c <= 0x7A) || (c >= 0xE0 && c <= 0xFE && c != 0xF7)) return append_utf8(out, c - 32);
+  if ((c >= 0x101 && c <= 0x137 && c % 2 == 1) || (c >= 0x13A && c <= 0x148 && c % 2 == 0) ||
+      (c >= 0x14B && c <= 0x177 && c % 2 == 1) || (c >= 0x17A && c <= 0x17E && c % 2 == 0))
+    return append_utf8(out, c - 1);
+  append_utf8(out, c);
+}
+
+// Python's str.replace(from, to): every non-overlapping occurrence, left to right.
+std::string replace_all(std::string_view s, std::string_view from, std::string_view to) {
+  std::string out;
+  size_t pos = 0;
+  for (size_t at; (at = s.find(from, pos)) != std::string_view::npos; pos = at + from.size()) {
+    out.append(s.substr(pos, at - pos));
+    out.append(to);
+  }
+  out.append(s.substr(pos));
+  return out;
+}
+
+// HellaSwag-style. A line of the data set's own export (activity_label, ctx_a, ctx_b, endings,
+// label) is read as lm-evaluation-harness's hellaswag task reads it, so that the two score the same
+// text: context = preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()), each choice
+// preprocess(ending). Other lines, {"ctx": ..., "endings": [...], "label": i} (or ctx_a/ctx_b
+// without an activity_label), keep their text: context = ctx (or ctx_a + " " + ctx_b). Either way
+// the endings continue the context after a space (the harness's target_delimiter).
 TaskItem hellaswag_item(const json& j, const Where& at) {
   TaskItem item;
-  if (j.contains("ctx")) {
+  const auto endings = string_array(j["endings"], "endings", at);
+  const bool harness = j.contains("activity_label") && j.contains("ctx_a") && j.contains("ctx_b");
+  if (harness) {
+    item.context = hellaswag_preprocess(required_string(j, "activity_label", at) + ": " + required_string(j, "ctx_a", at) +
+                                        " " + python_capitalize(required_string(j, "ctx_b", at)));
+  } else if (j.contains("ctx")) {
     item.context = required_string(j, "ctx", at);
   } else {
     item.context = required_string(j, "ctx_a", at);
     const std::string b = j.contains("ctx_b") ? required_string(j, "ctx_b", at) : "";
     if (!b.empty()) item.context += " " + b;
   }
-  for (const auto& e : string_array(j["endings"], "endings", at)) item.choices.push_back(" " + e);
+  for (const auto& e : endings) {
+    const std::string ending = harness ? hellaswag_preprocess(e) : e;
+    item.choices.push_back(" " + ending);
+    item.choice_chars.push_back(utf8_length(ending));
+  }
   if (!j.contains("label")) fail(at, ": key 'label' is missing");
   item.gold = integer_label(j["label"], "label", at);
   return item;
@@ -89,7 +175,10 @@ TaskItem arc_item(const json& j, const Where& at) {
   const auto labels = string_array(ch["label"], "choices.label", at);
   if (text.size() != labels.size())
     fail(at, ": 'choices.text' has ", text.size(), " entries but 'choices.label' ", labels.size());
-  for (const auto& t : text) item.choices.push_back(" " + t);
+  for (const auto& t : text) {
+    item.choices.push_back(" " + t);
+    item.choice_chars.push_back(utf8_length(t));
+  }
   const std::string key = required_string(j, "answerKey", at);
   auto it = std::find(labels.begin(), labels.end(), key);
   if (it == labels.end()) fail(at, ": answerKey \"", printable(key), "\" is not one of the choice labels");
@@ -103,6 +192,7 @@ TaskItem native_choice_item(const json& j, const Where& at) {
   item.context = required_string(j, "context", at);
   if (!j.contains("choices")) fail(at, ": key 'choices' is missing");
   item.choices = string_array(j["choices"], "choices", at);
+  for (const auto& c : item.choices) item.choice_chars.push_back(utf8_length(c));
   if (!j.contains("gold")) fail(at, ": key 'gold' is missing");
   if (!j["gold"].is_number_integer() || (j["gold"].is_number_unsigned() && j["gold"].get<uint64_t>() > uint64_t(INT64_MAX)))
     fail(at, ": key 'gold' must be an integer index, got ", json_excerpt(j["gold"]));
@@ -252,6 +342,66 @@ bool same_text(const TaskItem& d, const TaskItem& s) {
 }
 
 }  // namespace
+
+int64_t utf8_length(std::string_view s) {
+  // Every code point has exactly one byte that is not a continuation byte (10xxxxxx).
+  return std::count_if(s.begin(), s.end(), [](char b) { return (static_cast<unsigned char>(b) & 0xC0) != 0x80; });
+}
+
+bool python_space(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+size_t trailing_python_space(std::string_view s) {
+  size_t end = s.size();
+  while (end > 0) {
+    size_t start = end - 1;  // the last code point's first byte
+    while (start > 0 && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+    size_t i = start;
+    if (!python_space(next_code_point(s, i))) break;
+    end = start;
+  }
+  return s.size() - end;
+}
+
+std::string python_capitalize(std::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    const bool first = i == 0;
+    const char32_t c = next_code_point(text, i);
+    first ? append_title(out, c) : append_lower(out, c);
+  }
+  return out;
+}
+
+std::string hellaswag_preprocess(std::string_view text) {
+  // text.strip()
+  size_t begin = 0;
+  for (size_t i = 0; i < text.size() && python_space(next_code_point(text, i));) begin = i;
+  const std::string_view stripped = text.substr(begin, text.size() - begin - trailing_python_space(text.substr(begin)));
+  // text.replace(" [title]", ". ")
+  const std::string titled = replace_all(stripped, " [title]", ". ");
+  // re.sub("\\[.*?\\]", "", text): from a '[', the shortest run to the next ']', which '.' keeps
+  // on one line ('\n' ends the attempt, and the '[' stays).
+  std::string unbracketed;
+  for (size_t i = 0; i < titled.size(); ++i) {
+    if (titled[i] == '[') {
+      const size_t close = titled.find_first_of("]\n", i + 1);
+      if (close != std::string::npos && titled[close] == ']') {
+        i = close;
+        continue;
+      }
+    }
+    unbracketed += titled[i];
+  }
+  // text.replace("  ", " ")
+  return replace_all(unbracketed, "  ", " ");
+}
+
+int64_t TaskItem::characters(size_t choice) const {
+  return choice < choice_chars.size() ? choice_chars[choice] : utf8_length(choices.at(choice));
+}
 
 std::optional<TaskItem> read_choice_item(const json& line, const std::string& file, int64_t line_no) {
   const Where at{file, line_no};

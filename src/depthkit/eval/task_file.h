@@ -12,6 +12,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "depthkit/eval/task_types.h"
@@ -25,10 +26,18 @@ struct TaskItem {
   std::string context;
   std::vector<std::string> choices;
   int64_t gold = -1;
+  // Per choice, its length in characters (Unicode code points, Python's len) as lm-evaluation-
+  // harness's doc_to_choice gives it: acc_norm divides by it. A mapped schema's choice is the
+  // ending or answer text, without the " " that joins it to the context (the harness's
+  // target_delimiter); a native choice is the candidate as written. Empty (items built in code):
+  // the length of choices[c] itself.
+  std::vector<int64_t> choice_chars;
   // Generation: `prompt` is continued by greedy decoding; any of `answers` is right. `target` is
   // what the item shows as a few-shot example after its prompt (default: answers[0]).
   std::string prompt, target;
   std::vector<std::string> answers;
+
+  int64_t characters(size_t choice) const;  // choice_chars[choice], or the length of choices[choice]
 };
 
 struct Task {
@@ -65,9 +74,22 @@ std::vector<size_t> few_shot_items(const Task& task, size_t item, int64_t k, uin
 // gold choice, or prompt + target), each followed by the separator ("" when there are no shots).
 std::string few_shot_prefix(const Task& task, const std::vector<size_t>& shots);
 
+// Python's str semantics, where lm-evaluation-harness's results depend on them (the text is UTF-8).
+// utf8_length: code points, Python's len(). python_space: str.isspace() of one code point.
+// trailing_python_space: the bytes of `s`'s trailing characters that str.rstrip() removes.
+int64_t utf8_length(std::string_view s);
+bool python_space(char32_t c);
+size_t trailing_python_space(std::string_view s);
+// lm-evaluation-harness's hellaswag task (tasks/hellaswag/utils.py, lm-eval 0.4.13): its
+// preprocess(text), and Python's str.capitalize() (the first character title-cased, the rest
+// lowercased) for characters up to U+017F (ASCII, Latin-1, Latin Extended-A); others are kept.
+std::string hellaswag_preprocess(std::string_view text);
+std::string python_capitalize(std::string_view text);
+
 // The item readers of the task-type table (task_types.h's read_item), one per type.
-// Multiple choice: HellaSwag-style (key "endings"), ARC-style ("question" and "answerKey"), native
-// ("context" or "gold"); at least 2 non-empty choices and a gold index among them.
+// Multiple choice: HellaSwag-style (key "endings"; with activity_label, ctx_a and ctx_b, as the
+// harness's hellaswag task builds it), ARC-style ("question" and "answerKey"), native ("context" or
+// "gold"); at least 2 non-empty choices and a gold index among them.
 std::optional<TaskItem> read_choice_item(const nlohmann::json& line, const std::string& file, int64_t line_no);
 // Generation: native ("prompt" or "answers"); at least one reference answer, none blank.
 std::optional<TaskItem> read_generation_item(const nlohmann::json& line, const std::string& file, int64_t line_no);

@@ -40,6 +40,24 @@ size_t find_stop(const std::string& text, const std::vector<std::string>& stop) 
 
 }  // namespace
 
+Continuation harness_split(const Tokenizer& tok, const std::string& context, const std::string& continuation) {
+  // The harness moves the context's trailing whitespace into the continuation ("Answer: " + "5" is
+  // scored as "Answer:" + " 5"), so that a word's leading space is tokenized with the word.
+  const std::string kept = context.substr(0, context.size() - trailing_python_space(context));
+  Continuation out;
+  out.context = {tok.eos_id()};
+  const auto ctx = tok.encode(kept);
+  out.context.insert(out.context.end(), ctx.begin(), ctx.end());
+  // The whole text is tokenized at once and cut after as many ids as the context alone has, as the
+  // harness does: where the two tokenizations differ at the seam (a piece spanning it), the
+  // continuation is what follows the context's count of ids in the whole, not encode(continuation).
+  std::vector<int> whole = {tok.eos_id()};
+  const auto all = tok.encode(context + continuation);
+  whole.insert(whole.end(), all.begin(), all.end());
+  if (whole.size() > out.context.size()) out.continuation.assign(whole.begin() + int64_t(out.context.size()), whole.end());
+  return out;
+}
+
 void evaluate_choice_items(Transformer& model, const Tokenizer& tok, const Task& task, const std::vector<size_t>& scored,
                            const TaskOptions& opt, TaskResult& r) {
   const int64_t T = model.config().seq_len;
@@ -48,17 +66,18 @@ void evaluate_choice_items(Transformer& model, const Tokenizer& tok, const Task&
   for (size_t i = 0; i < scored.size(); ++i) {
     const TaskItem& item = task.items[scored[i]];
     // Every sequence starts with the end-of-document id: the model saw each training document
-    // begin after one, so the context reads as the start of a document.
-    std::vector<int> context = {tok.eos_id()};
-    const auto ids = tok.encode(few_shot_prefix(task, few_shot_items(task, scored[i], r.shots, r.seed)) + item.context);
-    context.insert(context.end(), ids.begin(), ids.end());
+    // begin after one, so the context reads as the start of a document (the harness's BOS).
+    const std::string context = few_shot_prefix(task, few_shot_items(task, scored[i], r.shots, r.seed)) + item.context;
     first_request[i] = requests.size();
     for (size_t c = 0; c < item.choices.size(); ++c) {
-      auto cont = tok.encode(item.choices[c]);
-      if (int64_t(cont.size()) > T)
-        fail(task.file, ":", item.line, ": choice ", c, " is ", cont.size(),
+      Continuation q = harness_split(tok, context, item.choices[c]);
+      if (q.continuation.empty())
+        fail(task.file, ":", item.line, ": choice ", c, " adds no token to its context (tokenized together, the context's "
+             "tokens already cover it)");
+      if (int64_t(q.continuation.size()) > T)
+        fail(task.file, ":", item.line, ": choice ", c, " is ", q.continuation.size(),
              " tokens, more than the model's whole context (model.seq_len ", T, ") holds");
-      requests.push_back({context, std::move(cont)});
+      requests.push_back(std::move(q));
     }
   }
   first_request[scored.size()] = requests.size();
@@ -79,36 +98,47 @@ void evaluate_choice_items(Transformer& model, const Tokenizer& tok, const Task&
   const auto scores = score_continuations(model, requests, opt.batch_tokens, on_scored);
   if (opt.progress) bar.finish();
 
-  std::vector<double> right_total, right_token, right_byte;
+  std::vector<double> right_total, right_token, right_byte, right_char;
   double chance = 0;
   for (size_t i = 0; i < scored.size(); ++i) {
     const TaskItem& item = task.items[scored[i]];
-    int64_t best_total = 0, best_token = 0, best_byte = 0;
+    ChoiceItemScores s;
+    s.line = item.line;
+    s.gold = item.gold;
     auto better = [](double a, double b) { return a > b; };  // ties keep the first candidate
-    std::vector<double> total, token, byte;
+    double best_total = 0, best_token = 0, best_byte = 0, best_char = 0;
     for (size_t c = 0; c < item.choices.size(); ++c) {
-      const ContinuationScore& s = scores[first_request[i] + c];
-      total.push_back(s.logprob);
-      token.push_back(s.logprob / double(s.tokens));
-      byte.push_back(s.logprob / double(item.choices[c].size()));
-      if (better(total[c], total[best_total])) best_total = int64_t(c);
-      if (better(token[c], token[best_token])) best_token = int64_t(c);
-      if (better(byte[c], byte[best_byte])) best_byte = int64_t(c);
-      r.truncated += s.truncated;
+      const ContinuationScore& q = scores[first_request[i] + c];
+      const double total = q.logprob, token = q.logprob / double(q.tokens),
+                   byte = q.logprob / double(item.choices[c].size()),
+                   // The harness's acc_norm: numpy's float64 division, as here (a choice of no
+                   // characters gives −inf, never chosen).
+                   character = q.logprob / double(item.characters(c));
+      if (c == 0 || better(total, best_total)) best_total = total, s.total = int64_t(c);
+      if (c == 0 || better(token, best_token)) best_token = token, s.per_token = int64_t(c);
+      if (c == 0 || better(byte, best_byte)) best_byte = byte, s.per_byte = int64_t(c);
+      if (c == 0 || better(character, best_char)) best_char = character, s.acc_norm = int64_t(c);
+      s.logprob.push_back(q.logprob);
+      s.tokens.push_back(q.tokens);
+      r.truncated += q.truncated;
       // Positions run: the context as kept, the continuation, less its last id (never an input).
-      r.tokens += std::min<int64_t>(int64_t(requests[first_request[i] + c].context.size()), T + 1 - s.tokens) +
-                  s.tokens - 1;
+      r.tokens += std::min<int64_t>(int64_t(requests[first_request[i] + c].context.size()), T + 1 - q.tokens) +
+                  q.tokens - 1;
     }
-    right_total.push_back(best_total == item.gold);
-    right_token.push_back(best_token == item.gold);
-    right_byte.push_back(best_byte == item.gold);
-    r.predictions.push_back(best_token);
+    right_total.push_back(s.total == item.gold);
+    right_token.push_back(s.per_token == item.gold);
+    right_byte.push_back(s.per_byte == item.gold);
+    right_char.push_back(s.acc_norm == item.gold);
+    r.predictions.push_back(s.per_token);
+    r.lines.push_back(item.line);
+    r.choice_items.push_back(std::move(s));
     chance += 1.0 / double(item.choices.size());
   }
   r.sequences = int64_t(requests.size());
   r.total = mean_with_stderr(right_total);
   r.per_token = mean_with_stderr(right_token);
   r.per_byte = mean_with_stderr(right_byte);
+  r.acc_norm = mean_with_stderr(right_char);
   r.chance = chance / double(scored.size());
 }
 
@@ -157,6 +187,7 @@ void evaluate_generation_items(Transformer& model, const Tokenizer& tok, const T
       const bool ok = std::any_of(refs.begin(), refs.end(), [&](const std::string& a) { return strip(a) == answer; });
       right.push_back(ok);
       r.predictions.push_back(ok);
+      r.lines.push_back(task.items[scored[start + s]].line);
       r.outputs.push_back(text);
     }
     if (opt.progress) bar.update(int64_t(start + n), double(start + n));
@@ -264,6 +295,7 @@ TaskResult evaluate_task(Transformer& model, const Tokenizer& tokenizer, const T
   r.type = task.type;
   r.shots = opt.shots >= 0 ? opt.shots : task.shots;
   r.seed = opt.seed.value_or(task.seed);
+  r.per_item = opt.per_item;
   if (tokenizer.vocab_size() > model.config().vocab_size)
     fail(tokenizer.path(), ": tokenizer has ", tokenizer.vocab_size(), " ids, more than the model's model.vocab_size ",
          model.config().vocab_size);

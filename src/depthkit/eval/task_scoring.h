@@ -31,6 +31,14 @@ struct ContinuationScore {
   int64_t tokens = 0;       // continuation tokens
   bool truncated = false;   // the context was cut from the left to fit the model's context
 };
+// The harness's split of a context and a continuation into token ids (lm-evaluation-harness 0.4.13,
+// TemplateLM._encode_pair, and HFLM with its tokenizer adding a BOS): the context's trailing
+// whitespace (Python's str.rstrip()) moves to the continuation; the context's ids are
+// [eos] + encode(context without it), the continuation's the rest of [eos] + encode(context +
+// continuation) after as many ids. So a continuation is tokenized as it reads after its context,
+// not on its own. Empty when the whole text has no more ids than the context alone.
+Continuation harness_split(const Tokenizer& tokenizer, const std::string& context, const std::string& continuation);
+
 // Scores every request: context ++ continuation runs through the model as one causal sequence,
 // several per forward (right-padded: a causal model's positions never see what follows them), at
 // most `batch_tokens` positions per forward (0: a default sized to the vocabulary). When
@@ -62,6 +70,16 @@ struct TaskOptions {
   int64_t batch_tokens = 0;       // score_continuations' budget (0: its default)
   int64_t generation_batch = 16;  // prompts decoded together
   bool progress = true;           // a progress bar on stderr
+  bool per_item = false;          // the result's JSON lists every scored item (eval --per-item)
+};
+
+// Multiple choice, one scored item: each candidate's log-likelihood and tokens (as the harness's
+// split gives them), and the candidate each accuracy chose.
+struct ChoiceItemScores {
+  int64_t line = 0, gold = 0;
+  std::vector<double> logprob;
+  std::vector<int64_t> tokens;
+  int64_t total = 0, per_token = 0, per_byte = 0, acc_norm = 0;
 };
 
 struct TaskResult {
@@ -69,10 +87,12 @@ struct TaskResult {
   TaskType type = TaskType::kChoice;
   int64_t items = 0, shots = 0;
   uint64_t seed = 0;
-  // Multiple choice: accuracy of the argmax by total log-likelihood, by its mean per token (the
-  // lowest conditional perplexity) and by its mean per UTF-8 byte of the candidate; ties go to the
-  // first candidate. chance = the mean over items of 1 / candidates.
-  Accuracy total, per_token, per_byte;
+  // Multiple choice: accuracy of the argmax by total log-likelihood (lm-evaluation-harness's acc),
+  // by its mean per token (the lowest conditional perplexity), by its mean per UTF-8 byte of the
+  // candidate, and by its mean per character of the choice (the harness's acc_norm:
+  // TaskItem::characters); ties go to the first candidate. chance = the mean over items of
+  // 1 / candidates.
+  Accuracy total, per_token, per_byte, acc_norm;
   double chance = 0;
   // Generation: exact match of the extracted answer with any reference (both stripped).
   Accuracy exact_match;
@@ -82,6 +102,9 @@ struct TaskResult {
   double seconds = 0;
   std::vector<int64_t> predictions;  // per scored item: the chosen candidate (per-token mean); generation: 1 if right
   std::vector<std::string> outputs;  // generation: per scored item, the decoded output cut at the stop string
+  std::vector<int64_t> lines;        // per scored item, its line in the task file
+  std::vector<ChoiceItemScores> choice_items;  // multiple choice: per scored item, its scores
+  bool per_item = false;             // to_json lists every scored item ("per_item"; TaskOptions::per_item)
 
   // The accuracy compare and the summary line report, its type's primary metric (task_types.h):
   // per-token mean (multiple choice), exact match (generation).
@@ -97,8 +120,8 @@ struct TaskResult {
 TaskResult evaluate_task(Transformer& model, const Tokenizer& tokenizer, const Task& task, const TaskOptions& opt);
 
 // The scorers of the task-type table (task_types.h's evaluate), one per type; evaluate_task calls
-// the task's. Multiple choice: every candidate of every item through score_continuations, the
-// argmax by total, per-token and per-byte log-likelihood. Generation: greedy decoding of each
+// the task's. Multiple choice: every candidate of every item split by harness_split and scored by
+// score_continuations, the argmax by total, per-token, per-byte and per-character log-likelihood. Generation: greedy decoding of each
 // prompt, its answer extracted and matched against the references.
 void evaluate_choice_items(Transformer& model, const Tokenizer& tokenizer, const Task& task,
                            const std::vector<size_t>& scored, const TaskOptions& opt, TaskResult& r);

@@ -33,8 +33,19 @@ std::string choice_shot(const TaskItem& item) { return item.context + item.choic
 
 void choice_json(const TaskResult& r, json& j) {
   j["accuracy"] = {{"per_token", accuracy_json(r.per_token)}, {"total", accuracy_json(r.total)},
-                   {"per_byte", accuracy_json(r.per_byte)}};
+                   {"per_byte", accuracy_json(r.per_byte)}, {"acc_norm", accuracy_json(r.acc_norm)}};
   j["chance"] = r.chance;
+  if (!r.per_item) return;
+  // Every scored item, so that another scorer (lm-evaluation-harness) can be compared item by item.
+  json items = json::array();
+  for (const ChoiceItemScores& s : r.choice_items)
+    items.push_back({{"line", s.line},
+                     {"gold", s.gold},
+                     {"logprobs", s.logprob},
+                     {"tokens", s.tokens},
+                     {"chosen", {{"total", s.total}, {"per_token", s.per_token}, {"per_byte", s.per_byte},
+                                 {"acc_norm", s.acc_norm}}}});
+  j["per_item"] = std::move(items);
 }
 
 std::string choice_text(const TaskResult& r) {
@@ -42,8 +53,9 @@ std::string choice_text(const TaskResult& r) {
   std::snprintf(chance, sizeof chance, "   (chance %.1f %%)", 100 * r.chance);
   return cat(r.sequences, " candidates\n") +
          accuracy_line("accuracy by per-token mean log-likelihood:", r.per_token, chance) +
-         accuracy_line("accuracy by total log-likelihood:", r.total) +
+         accuracy_line("accuracy by total log-likelihood:", r.total, "   (lm-eval's acc)") +
          accuracy_line("accuracy by per-byte mean log-likelihood:", r.per_byte) +
+         accuracy_line("accuracy by per-character mean log-likelihood:", r.acc_norm, "   (lm-eval's acc_norm)") +
          cat("  contexts cut from the left to fit: ", r.truncated, " of ", r.sequences, " candidates\n");
 }
 
@@ -61,6 +73,11 @@ std::string generation_shot(const TaskItem& item) { return item.prompt + item.ta
 void generation_json(const TaskResult& r, json& j) {
   j["accuracy"] = {{"exact_match", accuracy_json(r.exact_match)}};
   j["chance"] = nullptr;  // no fixed set of answers to guess among
+  if (!r.per_item) return;
+  json items = json::array();
+  for (size_t i = 0; i < r.outputs.size(); ++i)
+    items.push_back({{"line", r.lines[i]}, {"output", r.outputs[i]}, {"right", r.predictions[i] != 0}});
+  j["per_item"] = std::move(items);
 }
 
 std::string generation_text(const TaskResult& r) {

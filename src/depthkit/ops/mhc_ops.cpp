@@ -42,6 +42,15 @@ using SinkBackSig = T(const T&, const T&, int64_t);
 using MergeSig = T(const T&, const T&, const T&, const T&);
 using MergeBackSig = std::tuple<T, T, T, T>(const T&, const T&, const T&, const T&, const T&);
 
+// The CPU pre-mix backward, its outputs tensors of their own (∂b and ∂α are views of one buffer).
+std::tuple<T, T, T, T> mhc_pre_backward_cpu(const std::optional<T>& gh, const std::optional<T>& gpost,
+                                            const std::optional<T>& gres, const T& x, const T& phi, const T& bias,
+                                            const T& scale, const T& proj, double eps) {
+  auto [gx, gphi, gb, ga] = cpu::mhc_pre_backward(gh, gpost, gres, x, phi, bias, scale, proj, eps);
+  own_storage({&gx, &gphi, &gb, &ga});
+  return {gx, gphi, gb, ga};
+}
+
 class MhcPreFunction : public torch::autograd::Function<MhcPreFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const T& x, const T& phi, const T& bias, const T& scale,
@@ -119,7 +128,7 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
   m.impl("mhc_pre", &cpu::mhc_pre_forward);
-  m.impl("mhc_pre_backward", &cpu::mhc_pre_backward);
+  m.impl("mhc_pre_backward", &mhc_pre_backward_cpu);
   m.impl("mhc_sinkhorn", &cpu::mhc_sinkhorn_forward);
   m.impl("mhc_sinkhorn_backward", &cpu::mhc_sinkhorn_backward);
   m.impl("mhc_merge", &cpu::mhc_merge_forward);

@@ -8,7 +8,9 @@
 //                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
 //                       int[]? kernel_lengths=None) -> Tensor
 //   and their *_backward operators. msar_read_backward adds the sources' gradients into the buffers
-//   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and banks.
+//   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and of the
+//   banks, the latter stacked [N, m − 1, d, K]: a mutating operator's outputs must be single
+//   tensors for torch.compile's functionalization (auto_functionalized) to take it.
 //
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
 // (msar_fuse, whose `out` input is msar_read's output). Expanded streams, normalised keys,
@@ -16,6 +18,7 @@
 #include "depthkit/ops/msar_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -32,15 +35,16 @@ using torch::autograd::variable_list;
 
 using Lengths = c10::OptionalIntArrayRef;
 using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double, Lengths);
-using ReadBackSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(const OptTensor&, const OptTensor&,
-                                                                     const at::Tensor&, at::TensorList, at::TensorList,
-                                                                     const at::Tensor&, double, Lengths, at::TensorList);
+using ReadBackSig = std::tuple<at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
+                                                        at::TensorList, at::TensorList, const at::Tensor&, double,
+                                                        Lengths, at::TensorList);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                            const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths);
-using FuseBackSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                               at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                                           const OptTensor&, double, Lengths);
+using FuseBackOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                               at::Tensor>;
+using FuseBackSig = FuseBackOut(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                const OptTensor&, double, Lengths);
 
 // The kernel lengths kept for the backward (None when absent), and read back.
 c10::IValue keep(Lengths lengths) { return lengths.has_value() ? c10::IValue(lengths->vec()) : c10::IValue(); }
@@ -49,6 +53,28 @@ std::optional<std::vector<int64_t>> kept(const c10::IValue& v) {
   return v.toIntVector();
 }
 Lengths view(const std::optional<std::vector<int64_t>>& v) { return v ? Lengths(*v) : Lengths(); }
+
+
+// ---- CPU: the kernels' outputs in the schemas' form, each a tensor of its own ------------------
+
+// The banks' gradients stacked into one [N, m − 1, d, K] tensor (the kernel's are transposed
+// views of one buffer, one per source): a parameter-sized copy.
+std::tuple<at::Tensor, at::Tensor> msar_read_backward_cpu(const OptTensor& grad_out, const OptTensor& grad_lse,
+                                                          const at::Tensor& q, at::TensorList x, at::TensorList c,
+                                                          const at::Tensor& lse, double eps, Lengths lengths,
+                                                          at::TensorList grad_sources) {
+  auto [gq, gc] = cpu::msar_read_backward(grad_out, grad_lse, q, x, c, lse, eps, lengths, grad_sources);
+  return {gq, at::stack(gc)};
+}
+
+FuseBackOut msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse,
+                                   const at::Tensor& q, const OptTensor& part, const OptTensor& pconv,
+                                   const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps,
+                                   Lengths lengths) {
+  auto [go, gl, gq, gp, gc, gw, gb, ga] = cpu::msar_fuse_backward(grad, out, lse, q, part, pconv, w, b, a, eps, lengths);
+  own_storage({&go, &gl, &gq, &gp, &gc, &gw, &gb, &ga});  // the token sums are views of one buffer
+  return {go, gl, gq, gp, gc, gw, gb, ga};
+}
 
 
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
@@ -78,7 +104,7 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
     // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
     variable_list out = {gq};
     for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
-    out.insert(out.end(), gc.begin(), gc.end());
+    for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
     out.insert(out.end(), 2, at::Tensor());  // eps, lengths
     return out;
   }
@@ -127,7 +153,7 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
         "-> (Tensor, Tensor)");
   m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] sources, "
         "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths, Tensor(a!)[] grad_sources) "
-        "-> (Tensor, Tensor[])");
+        "-> (Tensor, Tensor)");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
         "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None) -> Tensor");
   m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "
@@ -137,9 +163,9 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
   m.impl("msar_read", &cpu::msar_read_forward);
-  m.impl("msar_read_backward", &cpu::msar_read_backward);
+  m.impl("msar_read_backward", &msar_read_backward_cpu);
   m.impl("msar_fuse", &cpu::msar_fuse_forward);
-  m.impl("msar_fuse_backward", &cpu::msar_fuse_backward);
+  m.impl("msar_fuse_backward", &msar_fuse_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {

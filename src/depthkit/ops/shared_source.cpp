@@ -58,6 +58,13 @@ std::vector<at::Tensor> SourceGradients::for_autograd(at::ScalarType dtype) cons
 
 namespace {
 
+// A zero buffer of x's shape in `dtype`. Symbolic sizes (sym_sizes): under torch.compile with
+// dynamic shapes, or torch.library.opcheck's dynamic AOT check, the backward runs on fake tensors
+// whose sizes are symbols, which sizes() refuses.
+at::Tensor zeros_like_shape(const at::Tensor& x, at::ScalarType dtype) {
+  return at::zeros_symint(x.sym_sizes(), x.options().dtype(dtype));
+}
+
 // The accumulator of `source` for one call, in dtype `accumulate`; undefined when the source is
 // not shared, was given to this call already, is accumulated in another dtype, or when this
 // backward will not run the source's node: a partial one (torch::autograd::grad with respect to
@@ -69,7 +76,7 @@ at::Tensor accumulator(const at::Tensor& source, at::ScalarType accumulate, std:
   auto& saved = node->ctx_.saved_data;
   auto it = saved.find(kAccumulator);
   if (it == saved.end())
-    it = saved.emplace(kAccumulator, at::zeros(source.sizes(), source.options().dtype(accumulate))).first;
+    it = saved.emplace(kAccumulator, zeros_like_shape(source, accumulate)).first;
   at::Tensor sum = it->second.toTensor();
   return sum.scalar_type() == accumulate ? sum : at::Tensor();
 }
@@ -82,7 +89,7 @@ SourceGradients source_gradients(at::TensorList sources, at::ScalarType accumula
   for (const at::Tensor& source : sources) {
     at::Tensor shared = accumulator(source, accumulate, taken);
     g.own.push_back(!shared.defined());
-    g.buffers.push_back(shared.defined() ? shared : at::zeros(source.sizes(), source.options().dtype(accumulate)));
+    g.buffers.push_back(shared.defined() ? shared : zeros_like_shape(source, accumulate));
   }
   return g;
 }
