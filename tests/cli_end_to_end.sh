@@ -173,8 +173,10 @@ with_gemms = {'mhc_pre', 'linear_cross_entropy'}
 assert all((o['irreducible_ms'] > 0) == (k in with_gemms) for k, o in ops.items()), r
 assert r['bandwidth'][0]['copy_gbs'] > 0, r
 every = {'depth_read', 'depth_merge', 'dar_read', 'dar_write', 'msar_read', 'msar_fuse', 'mhc_pre', 'mhc_sinkhorn',
-         'mhc_merge', 'rms_norm', 'rope_qkv', 'swiglu', 'linear_cross_entropy'}
+         'mhc_merge', 'rms_norm', 'rope_qkv', 'swiglu', 'linear_cross_entropy', 'shared_source'}
 assert set(ops) == every, sorted(ops)
+# N = 5 reads of N entries, and the entries' copies
+assert ops['shared_source']['bytes'] == 4 * (5 * (3 * 5 + 2) + 2 * 5) * 4096 * 128, ops['shared_source']
 # MSAR's (m = 4): the read's (3N + 2m)·P·d floats, the fuse's (3m + 5)·P·d
 assert ops['msar_read']['bytes'] == 4 * (3 * 5 + 2 * 4) * 4096 * 128, ops['msar_read']
 assert ops['msar_fuse']['bytes'] == 4 * (3 * 4 + 5) * 4096 * 128, ops['msar_fuse']

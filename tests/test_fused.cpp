@@ -23,6 +23,7 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/registration.h"
 #include "depthkit/ops/shared_source.h"
 #include "helpers.h"
 #include "op_checks.h"
@@ -324,6 +325,21 @@ std::vector<OperatorCase> operator_cases() {
     };
     cases.push_back({"depth_merge", merge(fused::depth_merge), merge(reference::depth_merge),
                      {randn({P, d}), randn({P}), randn({d}), randn({P, d}), randn({P, d})}});
+  }
+  {  // A history entry that two reads take, once as key and value, once as key beside another
+     // value: through depthkit::shared_source their backward operators add its gradient into one
+     // buffer; the reference reads the entry itself and autograd sums.
+    static const auto shared = op<at::Tensor(const at::Tensor&)>("depthkit::shared_source");
+    auto reads = [](auto entry) {
+      return [entry](const Inputs& t) {
+        const at::Tensor e = entry(t[1]);
+        auto [a, lse_a] = fused::depth_read(t[0], {e, t[2]}, {}, kKeyNormEps);
+        auto [b, lse_b] = fused::depth_read(t[0], {t[2], e}, {e, t[2]}, kKeyNormEps);
+        return Inputs{a, b};
+      };
+    };
+    cases.push_back({"shared_source", reads([](const at::Tensor& x) { return shared.call(x); }),
+                     reads([](const at::Tensor& x) { return x; }), {randn({2, d}), randn({P, d}), randn({P, d})}});
   }
   {
     auto read = [](auto op) {

@@ -355,6 +355,28 @@ def check_linear_cross_entropy(ops):
                           1)
 
 
+
+def check_shared_source(ops):
+    P, d = 5, 7
+    x = randn(P, d)
+    y = ops.shared_source(x)  # a copy: equal, and a tensor of its own
+    expect_near("shared_source is a copy", [y], [x], 0.0)
+    if y.data_ptr() == x.data_ptr():
+        sys.exit("FAIL shared_source: returns its input's storage")
+    # An entry that three reads take (as keys, as keys and values, and twice in one read) and a plain
+    # operation too: its gradient, accumulated in one buffer by the reads' backward operators and
+    # added to the plain one's, equals autograd's sum of each consumer's.
+    def consumers(wrap):
+        def f(q, x, k):
+            e = wrap(x)
+            a, _ = ops.depth_read(q, [e, k], [], EPS)
+            b, _ = ops.depth_read(q[:1], [k, e], [e, k], EPS)
+            c, _ = ops.depth_read(q[1:], [e, e], [], EPS)
+            return (a.sum(0) + b[0] + c[0] + e.sin(),)
+        return f
+    expect_same_gradients("shared_source", consumers(ops.shared_source), consumers(lambda t: t),
+                          [randn(2, d), x, randn(P, d)], 1)
+
 def registered_operators():
     """The operators in the depthkit namespace, from the dispatcher's schemas."""
     names = {s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("depthkit::")}

@@ -123,6 +123,12 @@ def _depth_merge_backward(grad, out, log_partition, query, key_part, value_part,
             out.new_empty((P, d)), None if value_part is None else out.new_empty((P, d)))
 
 
+
+@_register("shared_source")
+def _shared_source(x):
+    # A copy of x (ops/shared_source.cpp): the history entry whose gradient the reads accumulate.
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
 # ---- dar_read, dar_write (DAR eq. 10–17; cpu/dar_cpu.cpp) ---------------------------------------
 
 

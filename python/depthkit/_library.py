@@ -16,7 +16,7 @@ def library_path() -> pathlib.Path:
         if not path.is_file():
             raise ImportError(f"DEPTHKIT_OPS_LIBRARY={explicit}: no such file")
         return path
-    for folder in map(pathlib.Path, __path__ if (__path__ := _package_path()) else []):
+    for folder in map(pathlib.Path, _package_path()):
         if (folder / LIBRARY_NAME).is_file():
             return folder / LIBRARY_NAME
     raise ImportError(f"{LIBRARY_NAME} is not installed with the depthkit package "

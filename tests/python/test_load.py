@@ -24,6 +24,7 @@ KINDS = ["residual", "attnres", "dar", "msar", "mhc", "attnres_sepv", "attnres_m
 RTOL = 1e-5  # max |difference| / max |logit|, float32 (issue 32, item 4)
 SHRINK = ["model.n_layers=3", "model.seq_len=48"]  # tiny-moe.toml: layer 0 dense, layers 1 and 2 MoE
 BATCH = 2
+PYTHON_TUTORIAL = pathlib.Path("/usr/share/doc/python3.11/html/_sources/tutorial")  # python3.11-doc
 
 # Options beyond the two configs' defaults: partial last blocks, shared parameters, other routings,
 # full AttnRes (S = 1), MSAR's ablations, tied head, head_dim apart from d_model / n_heads, no GQA,
@@ -287,18 +288,20 @@ def test_tokenizer_equals_cpp_on_prepared_shards(prepared):
     assert sorted(seen) == list(range(len(docs)))
 
 
-def test_tokenizer_equals_cpp_on_the_bundled_corpus(source_dir):
-    """The validation shard of the bundled corpus (data/pydoc, made by scripts/setup): each document's
-    C++ ids decode to its text, which encode() turns back into the same ids."""
-    data_dir = source_dir / "data" / "pydoc"
-    if not (data_dir / "meta.json").is_file():
-        pytest.skip(f"{data_dir}: not prepared (scripts/setup)")
-    tok = Tokenizer(data_dir / "tokenizer.model")
-    docs, _ = shard_documents(data_dir)
+def test_tokenizer_equals_cpp_on_real_text(depthkit_program, tmp_path):
+    """Real text: the Python tutorial's reStructuredText sources (Debian's python3.11-doc, which
+    scripts/setup installs: the bundled corpus's documents), prepared by `depthkit data prepare`
+    with a 1,024-piece tokenizer. Each document's C++ ids decode to its text, which encode() turns
+    back into the same ids."""
+    run(depthkit_program, "data", "prepare", "--input", PYTHON_TUTORIAL, "--out", tmp_path / "data",
+        "--vocab-size", 1024, "--val-fraction", 0.25)
+    tok = Tokenizer(tmp_path / "data" / "tokenizer.model")
+    docs, _ = shard_documents(tmp_path / "data")
     checked = 0
-    for ids in docs["val"][:12]:
-        assert tok.encode(tok.decode(ids)) == ids
-        checked += len(ids)
+    for split in docs.values():
+        for ids in split:
+            assert tok.encode(tok.decode(ids)) == ids
+            checked += len(ids)
     assert checked > 10000
 
 

@@ -214,7 +214,7 @@ def test_the_loop_and_the_fused_operators():
         y.sum().backward()
     ran = {e.name for e in prof.function_events if e.name.startswith("depthkit::")}
     assert {"depthkit::dar_read", "depthkit::dar_write", "depthkit::depth_read", "depthkit::dar_read_backward",
-            "depthkit::dar_write_backward", "depthkit::depth_read_backward"} <= ran, ran
+            "depthkit::dar_write_backward", "depthkit::depth_read_backward", "depthkit::shared_source"} <= ran, ran
     s = path.begin(x)
     for l, f in enumerate(branches, start=1):
         path.write(s, l, f(path.read(s, l)))
@@ -385,7 +385,10 @@ def test_compile_fullgraph_equals_eager():
         return [y] + list(torch.autograd.grad(y, [xi] + params, torch.ones_like(y)))
 
     eager = run(model)
-    compiled = run(torch.compile(model, fullgraph=True))
+    # AOTAutograd's joint graph without Inductor's code generation: what tracing the pathway takes
+    # (no graph break, the fake implementations, the mutating backward operators functionalized)
+    # at a fraction of the time; Inductor compiles the example below and tests/python/test_opcheck.py.
+    compiled = run(torch.compile(model, fullgraph=True, backend="aot_eager"))
     worst = max(max_rel(c, e) for c, e in zip(compiled, eager))
     print(f"compile dar: max rel diff {worst:.2e}")
     assert worst <= TOL

@@ -1,10 +1,11 @@
 """The depthkit operators under PyTorch's tracing tools: torch.library.opcheck (schema, autograd
 registration, fake implementation against the kernel, AOT dispatch with dynamic shapes) for every
 registered operator in float32 and float64 on several shapes and edge cases; torch.compile with
-fullgraph=True of a function that runs all 13 forward operators (so all 13 backward ones in its
-backward), with one graph, no break, and outputs and gradients equal to eager; torch.export of a
-module that uses them; and bad inputs that fail as RuntimeErrors with one and the same line, from
-the kernel in eager mode and from the fake implementation while tracing.
+fullgraph=True of a function that runs every forward operator (the 13 fused ones and
+shared_source; so the 13 backward ones in its backward), with one graph, no break, and outputs
+and gradients equal to eager; torch.export of a module that uses them; and bad inputs that fail
+as RuntimeErrors with one and the same line, from the kernel in eager mode and from the fake
+implementation while tracing.
 
 Inputs are built with tests/test_python_ops.py's helpers (`randn`, `rope_tables`, EPS), which
 that file also uses for its comparisons against the equations; the operator list is the
@@ -246,6 +247,10 @@ def rope_qkv_backward_case(forward, grads):
 
 SWIGLU = [("3d", lambda dtype: (leaf(dtype, 2, 3, 8, scale=4.0),)), ("1d", lambda dtype: (leaf(dtype, 4, scale=4.0),))]
 
+# A history entry [P, d] or [B, T, d], and a transposed (non-contiguous) one: the copy is contiguous.
+SHARED_SOURCE = [("flat", lambda dtype: (leaf(dtype, 6, 4),)), ("1-token", lambda dtype: (leaf(dtype, 1, 1, 3),)),
+                 ("transposed", lambda dtype: (leaf(dtype, 4, 6).t(),))]
+
 
 def linear_cross_entropy_case(N, V, d):
     def build(dtype):
@@ -294,6 +299,7 @@ CASES = {
     "swiglu_backward": renamed(SWIGLU, lambda f: backward_of(f, [lambda a: (*a[0].shape[:-1], a[0].shape[-1] // 2)])),
     "linear_cross_entropy": LINEAR_CROSS_ENTROPY,
     "linear_cross_entropy_backward": renamed(LINEAR_CROSS_ENTROPY, lambda f: lambda dtype: detached(f(dtype))),
+    "shared_source": SHARED_SOURCE,
 }
 
 
@@ -325,10 +331,11 @@ def test_opcheck(op, build, dtype):
 
 
 class Pathways(torch.nn.Module):
-    """A small function of all 13 forward operators, as a model would chain them: the backbone's
+    """A small function of every forward operator, as a model would chain them: the backbone's
     norm, RoPE'd q/k/v, SwiGLU and loss around an AttnRes read with its partial merged in, DAR's
-    read and write (both block positions), MSAR's read and fusion (with kernel lengths), and mHC's
-    pre-mix, Sinkhorn and merge over 4 streams. x [B, T, d], targets [B, T]."""
+    read and write (both block positions; x a shared source of both reads), MSAR's read and fusion
+    (with kernel lengths), and mHC's pre-mix, Sinkhorn and merge over 4 streams. x [B, T, d],
+    targets [B, T]."""
 
     def __init__(self, d=4, vocab=7, max_len=16, dtype=torch.float64):
         super().__init__()
@@ -357,7 +364,8 @@ class Pathways(torch.nn.Module):
         q, k, v = ops.rope_qkv(y @ self.qkv.T, self.cos, self.sin, 2, 1, 0)  # 2 query heads, 1 k/v head
         a = q.sum(2) + k[:, :, 0] * v[:, :, 0]
         f = ops.swiglu(a @ self.up.T)
-        flat = [x.reshape(B * T, d), f.reshape(B * T, d)]
+        # x is an entry of the history that two reads take (one gradient buffer for both).
+        flat = [ops.shared_source(x.reshape(B * T, d)), f.reshape(B * T, d)]
         out, lse = ops.depth_read(self.q_read, flat, [], EPS)  # AttnRes: keys = values
         h = ops.depth_merge(out[0], lse[0], self.q_read[0], a.reshape(B * T, d), None, EPS)
         hd, beta, _ = ops.dar_read(self.q_dar, flat, [h, flat[1]], None, None, self.w_alpha, self.b_alpha, self.w_beta,
@@ -414,7 +422,7 @@ def test_compile_fullgraph_dynamic():
     """One graph, no break, across two sequence lengths (dynamic shapes, so the fake
     implementations and the Autograd kernels run on symbolic sizes), through AOTAutograd and
     functionalization (the mutating backward operators are auto-functionalized); its forward
-    graph runs the 13 operators and its backward graph the 13 backward ones; outputs and
+    graph runs the 14 forward operators and its backward graph the 13 backward ones; outputs and
     gradients equal eager."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -484,7 +492,9 @@ def test_export():
     T = torch.export.Dim("T", min=2, max=16)  # the RoPE tables hold 16 positions
     program = torch.export.export(model, inputs(3), dynamic_shapes={"x": {1: T}, "targets": {1: T}})
     called = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    assert sum(name.startswith("depthkit.") for name in called) == 13, called
+    forward = [op for op in composed.registered_operators() if not op.endswith("_backward")]
+    assert {name for name in called if name.startswith("depthkit.")} == {f"depthkit.{op}.default" for op in forward}, \
+        called
     x, targets = inputs(6)
     with torch.no_grad():
         for g, w in zip(program.module()(x, targets), model(x, targets), strict=True):

@@ -137,6 +137,16 @@ def child(parent: nn.Module, name: str) -> nn.Module:
     return parent._modules[name]
 
 
+def shared(entry: Tensor) -> Tensor:
+    """A history entry that many reads take, as depthkit::shared_source (ops/shared_source.h): the
+    reads' backward operators add its gradient into one buffer, where autograd would otherwise take
+    one gradient tensor per read and sum them (under torch.compile, a zero buffer cloned and a sum
+    per read and entry). The entry itself where no gradient is recorded. The C++ pathways do the same."""
+    if torch.is_grad_enabled() and entry.requires_grad:
+        return torch.ops.depthkit.shared_source(entry)
+    return entry
+
+
 def cast_like(weight: Tensor | None, activation: Tensor) -> Tensor | None:
     """The parameter in the activation's dtype (nn/precision.h: the operators take one dtype); the
     parameter itself when the dtypes agree. None stays None (an absent optional input)."""

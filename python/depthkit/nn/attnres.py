@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._common import KEY_NORM_EPS, Holder, Pathway, Schedule, cast_like, constant_, identity_, new_parameter
+from ._common import KEY_NORM_EPS, Holder, Pathway, Schedule, cast_like, constant_, identity_, new_parameter, shared
 
 
 class _History:
-    """The sources as depth_read takes them: flat [B·T, d] views, appended without copying."""
+    """The sources as depth_read takes them: flat [B·T, d], each a shared entry (shared())."""
 
     def __init__(self, x: Tensor):
         self.B, self.T, self.d = x.shape
@@ -35,13 +35,16 @@ class _History:
     def flat(self, x: Tensor) -> Tensor:
         return x.reshape(self.B * self.T, self.d)
 
+    def source(self, x: Tensor) -> Tensor:
+        return shared(self.flat(x))
+
 
 class AttnRes(Pathway):
     """residual.kind = "attnres" (options block_sublayers, share_within_block)."""
 
     kind = "attnres"
     OPTIONS = ("block_sublayers", "share_within_block")
-    OPERATORS = ("depth_read",)
+    OPERATORS = ("depth_read", "shared_source")
     SEPV = False
 
     def __init__(self, d_model: int, n_branches: int, *, block_sublayers: int = 2, share_within_block: bool = False,
@@ -88,9 +91,9 @@ class AttnRes(Pathway):
 
     def begin(self, x: Tensor) -> _History:
         s = _History(x)
-        s.completed.append(s.flat(x))
+        s.completed.append(s.source(x))
         if self.SEPV:
-            s.values.append(s.flat(self._value(0, x)))
+            s.values.append(s.source(self._value(0, x)))
         return s
 
     def read(self, s: _History, l: int) -> Tensor:
@@ -110,8 +113,8 @@ class AttnRes(Pathway):
         s.partial = out if self.schedule.opens(l) else s.partial + out
         if self.schedule.closes(l):  # a block boundary (the last block may be shorter)
             if self.SEPV:
-                s.values.append(s.flat(self._value(len(s.completed), s.partial)))
-            s.completed.append(s.flat(s.partial))
+                s.values.append(s.source(self._value(len(s.completed), s.partial)))
+            s.completed.append(s.source(s.partial))
             s.partial = None
 
     def finish(self, s: _History) -> Tensor:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._common import (KEY_NORM_EPS, Holder, Pathway, Schedule, cast_like, child, constant_, dar_gate_std,
-                      new_parameter, normal_)
+                      new_parameter, normal_, shared)
 
 RHO_BIAS = 4.0  # Dar::kRhoBias
 GATE_LOGIT_STD = 0.2  # Dar::kGateLogitStd
@@ -39,13 +39,14 @@ ROUTES = {
 
 class _DualHistory:
     """Flat [B·T, d] tensors, as the operators take them: the completed entries of each stream
-    (lists, never stacked), the block's partial (None at a block's start) and the last read's β."""
+    (lists, never stacked; each a shared entry, shared()), the block's partial (None at a block's
+    start) and the last read's β."""
 
     def __init__(self, x: Tensor):
         self.B, self.T, self.d = x.shape
         e = x.reshape(self.B * self.T, self.d)
-        self.h0: list[Tensor] = [e]  # H_0 = [e, e] (eq. 6)
-        self.h1: list[Tensor] = [e]
+        self.h0: list[Tensor] = [shared(e)]  # H_0 = [e, e] (eq. 6), an entry of each stream
+        self.h1: list[Tensor] = [shared(e)]
         self.p0: Tensor | None = None
         self.p1: Tensor | None = None
         self.beta: Tensor | None = None  # [B·T, 2]
@@ -56,7 +57,7 @@ class DAR(Pathway):
 
     kind = "dar"
     OPTIONS = ("block_sublayers", "share_within_block", "routing")
-    OPERATORS = ("dar_read", "dar_write", "depth_read")
+    OPERATORS = ("dar_read", "dar_write", "depth_read", "shared_source")
 
     def __init__(self, d_model: int, n_branches: int, *, block_sublayers: int = 2, share_within_block: bool = False,
                  routing: str = "cross", impl: str = "fused", init_std: float = 0.02, device=None, dtype=None):
@@ -137,8 +138,8 @@ class DAR(Pathway):
             s.p0, s.p1 = torch.ops.depthkit.dar_write(f, s.beta, s.p0, s.p1, cast_like(rho.weight, f),
                                                       cast_like(rho.bias, f), KEY_NORM_EPS)
         if self.schedule.closes(l):  # H_b = P^S (eq. 18)
-            s.h0.append(s.p0)
-            s.h1.append(s.p1)
+            s.h0.append(shared(s.p0))
+            s.h1.append(shared(s.p1))
             s.p0 = s.p1 = None
 
     def finish(self, s: _DualHistory) -> Tensor:

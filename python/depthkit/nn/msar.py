@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import KEY_NORM_EPS, Holder, Pathway, Schedule, cast_like, child, constant_, new_parameter, normal_
+from ._common import (KEY_NORM_EPS, Holder, Pathway, Schedule, cast_like, child, constant_, new_parameter, normal_,
+                      shared)
 
 PRE_SCALE = 0.01  # Msar::kPreScale, α_pre's initial value
 
@@ -44,7 +45,7 @@ class MSAR(Pathway):
 
     kind = "msar"
     OPTIONS = ("block_sublayers", "streams", "kernels", "conv", "fusion")
-    OPERATORS = ("msar_read", "msar_fuse")
+    OPERATORS = ("msar_read", "msar_fuse", "shared_source")
 
     def __init__(self, d_model: int, n_branches: int, *, block_sublayers: int = 2, streams: int = 4,
                  kernels=(4, 8, 12), conv: bool = True, fusion: str = "hpre", impl: str = "fused",
@@ -104,7 +105,7 @@ class MSAR(Pathway):
                             for r in range(1, self.m)])
 
     def _append(self, s: _Sources, source: Tensor, k: int) -> None:
-        s.raw.append(source)
+        s.raw.append(shared(source))  # its reads add its gradient into one buffer
         s.taps.append(self.taps(k, source))
 
     def begin(self, x: Tensor) -> _Sources:

@@ -21,6 +21,7 @@
 #include "depthkit/ops/msar_ops.h"
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
+#include "depthkit/ops/registration.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/numbers.h"
@@ -80,7 +81,7 @@ double run(const Case& c, const std::function<std::vector<at::Tensor>()>& op) {
   return time_ms([&] { torch::autograd::backward(op(), c.cotangents); });
 }
 
-// Every operator's case at shape s, in registration order. Long as a table is long (13 cases of
+// Every operator's case at shape s, in registration order. Long as a table is long (14 cases of
 // about a dozen lines, each in its own scope and sharing only leaf, cotangent and F), not deep:
 // a case is read and changed on its own, which one function per family would not make easier.
 std::vector<Case> cases(const Shape& s, at::Generator& g) {
@@ -113,6 +114,30 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    {cotangent({P, d})},
                    // forward: out, partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
                    F * 8 * P * d});
+  }
+  {  // A history of N entries that each of N reads takes (AttnRes's later branches): the entries
+     // through depthkit::shared_source, whose reads' backward operators add each entry's gradient
+     // into one buffer, against the same entries left to autograd, which sums every read's gradient
+     // of every entry.
+    static const auto shared = op<at::Tensor(const at::Tensor&)>("depthkit::shared_source");
+    at::Tensor q = leaf({N, d}, 0.5);
+    std::vector<at::Tensor> src, cotangents;
+    for (int64_t n = 0; n < N; ++n) src.push_back(leaf({P, d})), cotangents.push_back(cotangent({P, d}));
+    std::vector<at::Tensor> inputs = {q};
+    inputs.insert(inputs.end(), src.begin(), src.end());
+    auto outputs = [=](bool share) {
+      return [=] {
+        std::vector<at::Tensor> entries;
+        for (const at::Tensor& x : src) entries.push_back(share ? shared.call(x) : x);
+        Outputs outs;
+        for (int64_t r = 0; r < N; ++r)
+          outs.push_back(std::get<0>(fused::depth_read(q[r].unsqueeze(0), entries, {}, kKeyNormEps))[0]);
+        return outs;
+      };
+    };
+    out.push_back({"shared_source", inputs, outputs(true), outputs(false), cotangents,
+                   // N reads as depth_read's case counts one, and the entries' copies
+                   F * N * (3 * N + 2) * P * d + F * 2 * N * P * d});
   }
   {  // DAR's read of both streams (lists of N entries) with the partial and the gates.
     std::vector<at::Tensor> t = {leaf({2, d}, 0.5), leaf({P, d}), leaf({P, d}),       leaf({2, 2 * d}, 0.05),

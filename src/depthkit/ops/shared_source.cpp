@@ -3,8 +3,11 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
 
 #include <unordered_set>
+
+#include "depthkit/ops/registration.h"
 
 namespace depthkit {
 
@@ -17,12 +20,22 @@ using torch::autograd::variable_list;
 // handed on (and released) by the node's own backward, which autograd runs after all of them.
 constexpr const char* kAccumulator = "accumulator";
 
+// depthkit::shared_source, registered below: its kernel (a copy) runs under the autograd node.
+c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> shared_source_op() {
+  static const auto handle = op<at::Tensor(const at::Tensor&)>("depthkit::shared_source");
+  return handle;
+}
+
 class SharedSource : public torch::autograd::Function<SharedSource> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+  // copy: the operator form (depthkit::shared_source) returns a tensor of its own, through its
+  // kernel below autograd; the C++ pathways' form returns x itself.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, bool copy) {
     ctx->set_materialize_grads(false);  // the reads send nothing: no zero tensor for it
     ctx->saved_data["dtype"] = x.scalar_type();
-    return x;
+    if (!copy) return x;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return shared_source_op().call(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     at::Tensor sum;
@@ -31,9 +44,9 @@ class SharedSource : public torch::autograd::Function<SharedSource> {
       ctx->saved_data.erase(it);  // released now; a second backward (retain_graph) starts afresh
     }
     const at::Tensor& other = grads[0];  // from consumers other than fused reads, if any
-    if (!sum.defined()) return {other};
+    if (!sum.defined()) return {other, at::Tensor()};
     if (other.defined()) sum.add_(other);
-    return {sum.to(ctx->saved_data["dtype"].toScalarType())};
+    return {sum.to(ctx->saved_data["dtype"].toScalarType()), at::Tensor()};
   }
 };
 
@@ -45,10 +58,46 @@ namespace fused {
 
 at::Tensor shared_source(const at::Tensor& x) {
   if (!at::GradMode::is_enabled() || !x.requires_grad()) return x;
-  return SharedSource::apply(x);
+  return SharedSource::apply(x, false);
 }
 
 }  // namespace fused
+
+namespace {
+
+// ---- The operator: depthkit::shared_source(Tensor x) -> Tensor, for code that reaches the reads
+// through the dispatcher only (depthkit.nn in Python, under torch.compile too). An operator's output
+// may not alias its input (torch.compile's functionalization and the fake implementation take it to
+// be a fresh tensor), so it returns a contiguous copy: one copy per history entry, against one
+// clone and one sum per read and entry that it spares under AOTAutograd, whose trace then threads
+// one accumulator through the reads' backward operators (Tensor(a!)[]), which Inductor updates in
+// place.
+
+at::Tensor shared_source_copy(const at::Tensor& x) { return x.clone(at::MemoryFormat::Contiguous); }
+
+at::Tensor shared_source_autograd(const at::Tensor& x) {
+  if (at::GradMode::is_enabled() && x.requires_grad()) return SharedSource::apply(x, true);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return shared_source_op().call(x);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(depthkit, m) {
+  m.def("shared_source(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
+  m.impl("shared_source", &shared_source_copy);
+}
+
+TORCH_LIBRARY_IMPL(depthkit, CUDA, m) {
+  m.impl("shared_source", &shared_source_copy);
+}
+
+TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
+  m.impl("shared_source", &shared_source_autograd);
+}
 
 std::vector<at::Tensor> SourceGradients::for_autograd(at::ScalarType dtype) const {
   std::vector<at::Tensor> out;

@@ -22,7 +22,10 @@ namespace depthkit {
 namespace fused {
 
 // x, as a source whose gradient the fused reads accumulate in one buffer. x itself when no
-// gradient is being recorded (grad mode off, or x does not require one).
+// gradient is being recorded (grad mode off, or x does not require one). The operator
+// depthkit::shared_source(x) is the same for callers that reach the reads through the dispatcher
+// (depthkit.nn, under torch.compile too), but returns a copy of x: an operator's output may not
+// alias its input.
 at::Tensor shared_source(const at::Tensor& x);
 
 }  // namespace fused
