@@ -189,14 +189,16 @@ def test_float64(depthkit_program, source_dir, tmp_path, config, kind):
 def test_compile_fullgraph_equals_eager(depthkit_program, source_dir, tmp_path):
     """torch.compile(model, fullgraph=True): no graph break anywhere (the fused operators' fake
     implementations, the pathway's depth loop, the MoE layer's routing-independent form), and the
-    logits of eager mode. DAR on tiny-moe: one dense and one MoE layer."""
+    logits of eager mode. DAR on tiny-moe: one dense and one MoE layer. The backend is
+    AOTAutograd's without Inductor's code generation (tracing is what a graph break would stop);
+    Inductor compiles the nn example's model (test_nn.py) and the operators (test_opcheck.py)."""
     gen = make_checkpoint(depthkit_program, tmp_path / "ck", source_dir / "configs" / "tiny-moe.toml",
                           ["residual.kind=dar", "model.n_layers=2", "model.seq_len=32"], seed=9)
     model = load(tmp_path / "ck")
     tokens = torch.randint(model.vocab_size, (BATCH, model.seq_len), generator=gen)
     with torch.no_grad():
         eager = model(tokens)
-        compiled = torch.compile(model, fullgraph=True)(tokens)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(tokens)
     rel = max_rel(compiled, eager)
     MEASURED["compile-vs-eager-moe-dar"] = rel
     assert rel <= RTOL
