@@ -1,12 +1,21 @@
 """Shared fixtures of the Python tests (run by ctest, one entry per file, or by hand:
 `.venv/bin/python -m pytest tests/python`). ctest points DEPTHKIT_OPS_LIBRARY at the build's
 operator library and DEPTHKIT_PROGRAM at its program; by hand they default to build/."""
+import importlib.util
 import os
 import pathlib
 
 import pytest
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_torch_reference():
+    """bench/torch_reference.py, the model written a second time in plain PyTorch, as a module."""
+    spec = importlib.util.spec_from_file_location("torch_reference", SOURCE_DIR / "bench" / "torch_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def program_path() -> str:

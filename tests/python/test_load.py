@@ -6,7 +6,6 @@ zero-initialised queries, convolutions and gates read and mix uniformly, and wou
 index or a swapped stream; the perturbed router spreads the tokens over the experts.
 """
 import json
-import math
 import pathlib
 import random
 import shutil
@@ -19,11 +18,13 @@ import torch
 import depthkit  # noqa: F401  (loads the operator library)
 from depthkit.model import MoeFeedForward, load, read_safetensors
 from depthkit.tokenizer import Tokenizer
+from conftest import load_torch_reference
 
 KINDS = ["residual", "attnres", "dar", "msar", "mhc", "attnres_sepv", "attnres_mhc"]
 RTOL = 1e-5  # max |difference| / max |logit|, float32 (issue 32, item 4)
 SHRINK = ["model.n_layers=3", "model.seq_len=48"]  # tiny-moe.toml: layer 0 dense, layers 1 and 2 MoE
 BATCH = 2
+REF = load_torch_reference()  # perturb: parameters moved off their initial values, as its --check does
 PYTHON_TUTORIAL = pathlib.Path("/usr/share/doc/python3.11/html/_sources/tutorial")  # python3.11-doc
 
 # Options beyond the two configs' defaults: partial last blocks, shared parameters, other routings,
@@ -75,26 +76,12 @@ def write_safetensors(path, tensors, metadata=None):
     pathlib.Path(path).write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
-def perturbed(name, t, gen):
-    """t moved off its initial value: vectors (queries, norms, biases) by N(0, 0.5²); matrices by half
-    their spread, at least 0.3/√fan_in, so that a zero-initialised one (MSAR's convolutions, DAR's ρ)
-    moves too; the gate scales α (mHC's, MSAR's α_pre, initially 0.01) by N(0, 4²), so that H_res is
-    far from uniform and the Sinkhorn iterations show in the logits."""
-    if name.endswith(".scale"):
-        s = 4.0
-    elif t.dim() == 1:
-        s = 0.5
-    else:
-        s = 0.5 * max(t.std().item(), 0.3 / math.sqrt(t.shape[-1]))
-    return t + s * torch.randn(t.shape, generator=gen, dtype=t.dtype)
-
-
 def make_checkpoint(program, out, config, sets, seed):
     run(program, "init", "--config", config, *sum((["--set", s] for s in sets), []), "--out", out)
     gen = torch.Generator().manual_seed(seed)
     weights = out / "model.safetensors"
     tensors = read_safetensors(weights)
-    write_safetensors(weights, {n: perturbed(n, t, gen) for n, t in tensors.items()}, {"format": "depthkit"})
+    write_safetensors(weights, {n: REF.perturb(n, t, gen) for n, t in tensors.items()}, {"format": "depthkit"})
     return gen
 
 

@@ -7,7 +7,6 @@ line ValueErrors; float32 is as accurate as plain PyTorch's; torch.compile(fullg
 eager; examples/train_gpt.py trains, with and without torch.compile, on a shard made here.
 """
 import copy
-import importlib.util
 import json
 import math
 import struct
@@ -19,16 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import depthkit.nn as dn
-from conftest import SOURCE_DIR
+from conftest import SOURCE_DIR, load_torch_reference
 
 TOL = 1e-10  # float64: max |difference| relative to the largest |value| of each tensor
-
-
-def load_torch_reference():
-    spec = importlib.util.spec_from_file_location("torch_reference", SOURCE_DIR / "bench" / "torch_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 REF = load_torch_reference()
@@ -74,18 +66,11 @@ def case_id(case):
 
 
 def perturb_(module, gen):
-    """Every parameter moved off its initial value: vectors by N(0, 0.5²), matrices by half their
-    spread (at least 0.3/√fan_in), the gate scales (mHC's α, MSAR's α_pre) by N(0, 4²) so that
-    H_res is far from uniform and the Sinkhorn rounds matter."""
+    """Every parameter moved off its initial value, as torch_reference.py's --check moves them
+    (REF.perturb: the gate scales far enough that H_res is far from uniform)."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if name.endswith("scale"):
-                s = 4.0
-            elif p.dim() == 1:
-                s = 0.5
-            else:
-                s = 0.5 * max(p.std().item(), 0.3 / math.sqrt(p.shape[-1]))
-            p.add_(s * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            p.copy_(REF.perturb(name, p, gen))
 
 
 class Branch(torch.nn.Module):
