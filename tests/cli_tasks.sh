@@ -20,7 +20,7 @@ grep -q "^wrote cloze-again.jsonl: 40 items + 6 dev items, 4 choices each" make.
 python3 - <<'PY' || fail "make-task output"
 import json
 m = json.load(open("make.json"))
-assert m["items"] == 40 and m["dev_items"] == 6 and m["documents"] == 3 and m["dev_documents"] == 1, m
+assert m["items"] == 40 and m["dev_items"] == 6 and m["documents"] == 2 and m["dev_documents"] == 1, m
 lines = open("cloze.jsonl").read().splitlines()
 header = json.loads(lines[0])["task"]
 assert "name" not in header and header["seed"] == 3 and header["shots"] == 0, header

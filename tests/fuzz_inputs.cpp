@@ -529,7 +529,7 @@ std::map<std::string, std::string> stat_snapshot(const fs::path& dir, const fs::
 // A small real corpus prepared with a real tokenizer, a run trained on it for two steps, and a
 // task file: what commands that decode text (generate, make-task, eval --task) need. Made once.
 struct TextFixture {
-  fs::path corpus, data, run, task, config, spec, ids, points;
+  fs::path corpus, data, run, task, config, spec, ids, points, lines;
 };
 
 TextFixture make_text_fixture(const fs::path& base, const fs::path& scratch) {
@@ -561,6 +561,8 @@ TextFixture make_text_fixture(const fs::path& base, const fs::path& scratch) {
   write_text(f.spec, "base = \"" + f.config.string() + "\"\nseeds = [1]\n[[run]]\nname = \"residual\"\nkind = \"residual\"\n");
   f.ids = base / "ids.txt";
   write_text(f.ids, "1 2 3 4\n");
+  f.lines = base / "lines.jsonl";
+  write_text(f.lines, "\"The list\"\n{\"b64\": \"/w==\"}\n");
   f.points = base / "runs.csv";
   write_text(f.points, "method,compute,loss\nresidual,1e15,3.1\nresidual,1e16,2.6\nresidual,1e17,2.2\nresidual,1e18,1.9\n"
                        "dar,1e15,3.0\ndar,1e16,2.5\ndar,1e17,2.1\ndar,1e18,1.85\n");
@@ -574,6 +576,7 @@ std::map<std::string, std::vector<std::string>> cheap_command_lines(const TextFi
   return {
       {"data prepare", {"--input", f.corpus.string(), "--out", out, "--tokenizer", (f.data / "tokenizer.model").string(),
                         "--val-fraction", "0.3"}},
+      {"data encode", {"--tokenizer", (f.data / "tokenizer.model").string(), "--input", f.lines.string()}},
       {"data make-task", {"--data", f.data.string(), "--out", (scratch / "task.jsonl").string(), "--items", "2",
                           "--dev-items", "0", "--choices", "2"}},
       {"train", {"--config", cfg, "--run-dir", (scratch / "run").string(), "--set", "train.steps=1"}},

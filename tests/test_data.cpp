@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "depthkit/data/loader.h"
+#include "depthkit/data/utf8.h"
 #include "depthkit/data/prepare.h"
 #include "depthkit/data/tokenizer.h"
 #include "depthkit/util/fs.h"
@@ -198,7 +199,13 @@ TEST(Prepare, WritesShardsAndMetaDeterministically) {
   Progress::set_enabled(false);
   PrepareResult r = prepare_data(opt);
   EXPECT_EQ(r.train_docs + r.val_docs, 40);
-  EXPECT_EQ(r.val_docs, 4);
+  // Each document's split is the seeded hash of its file's key (its path below the input) and row.
+  int64_t val = 0;
+  for (size_t i = 0; i < docs.size(); ++i)
+    val += is_validation_document(opt.seed, (i % 2 ? "sub/doc" : "doc") + std::to_string(i) + ".rst.txt", 0,
+                                  opt.val_fraction);
+  EXPECT_EQ(r.val_docs, val);
+  EXPECT_GT(val, 0);
   EXPECT_GT(r.unigram_entropy_nats, 1.0);
   auto meta = nlohmann::json::parse(read_file(d.str("out1/meta.json")));
   EXPECT_EQ(meta["vocab_size"].get<int>(), r.vocab_size);
@@ -223,6 +230,28 @@ TEST(Prepare, WritesShardsAndMetaDeterministically) {
   expect_error([&] { prepare_data(opt); }, {"nothing-here", "input not found"});
   EXPECT_FALSE(fs::exists(d.str("out3")));
   Progress::set_enabled(true);
+}
+
+// Well-formed UTF-8 as Unicode's Table 3-7 defines it; the first bad byte is the one named.
+TEST(Utf8, Validation) {
+  size_t at = 99;
+  EXPECT_TRUE(valid_utf8(""));
+  EXPECT_TRUE(valid_utf8("plain ascii, long enough to take the eight-byte path"));
+  EXPECT_TRUE(valid_utf8("na\xC3\xAFve \xE6\x9D\xB1\xE4\xBA\xAC \xF0\x9F\x99\x82 \xF4\x8F\xBF\xBF"));  // ï 東京 🙂 U+10FFFF
+  const std::pair<std::string, size_t> bad[] = {
+      {"ab\x80", 2},                  // a lone continuation byte
+      {"abc\xC3", 3},                 // cut short
+      {"\xC0\xAF", 0},               // overlong '/'
+      {"x\xE0\x80\xAF", 1},           // overlong, three bytes
+      {"\xED\xA0\x80", 0},            // a surrogate (U+D800)
+      {"\xF4\x90\x80\x80", 0},        // past U+10FFFF
+      {"12345678\xF5\x80\x80\x80", 8},  // F5 never starts a sequence
+      {"\xE6\x9D", 0},                // a three-byte sequence cut after two
+  };
+  for (const auto& [text, where] : bad) {
+    EXPECT_FALSE(valid_utf8(text, &at)) << printable(text);
+    EXPECT_EQ(at, where) << printable(text);
+  }
 }
 
 }  // namespace depthkit::test

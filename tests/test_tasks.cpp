@@ -552,8 +552,8 @@ TEST(TasksMakeTask, DeterministicAndGoldIsTheTrueContinuation) {
   const ClozeResult r = make_cloze_task(opt);
   EXPECT_EQ(r.items, 60);
   EXPECT_EQ(r.dev_items, 10);
-  EXPECT_EQ(r.documents, 9);
-  EXPECT_EQ(r.dev_documents, 1);
+  EXPECT_EQ(r.documents, 13);
+  EXPECT_EQ(r.dev_documents, 2);
   opt.out = d.str("b.jsonl");
   make_cloze_task(opt);
   EXPECT_TRUE(read_file(d.str("a.jsonl")) == read_file(d.str("b.jsonl"))) << "same seed, different files";
@@ -569,7 +569,7 @@ TEST(TasksMakeTask, DeterministicAndGoldIsTheTrueContinuation) {
   EXPECT_EQ(task.scored().size(), 60u);
   EXPECT_EQ(task.dev().size(), 10u);
   const auto docs = held_out_documents(data);
-  ASSERT_EQ(docs.size(), 9u);
+  ASSERT_EQ(docs.size(), 13u);
   // The items' documents and line numbers, from the file's "source" fields.
   std::vector<nlohmann::json> sources;
   {

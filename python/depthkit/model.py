@@ -534,26 +534,48 @@ def check_config(c, where):
             bad("moe.expert_impl", f"must be one of \"auto\", \"grouped\", \"loop\", got {json.dumps(moe['expert_impl'])}")
 
 
+def _data_dir_tokenizer(data_dir):
+    """The tokenizer file of a prepared data directory, as src/depthkit/data/tokenizer.cpp picks it: the
+    one meta.json names, else tokenizer.json or tokenizer.model; None when there is none."""
+    meta = data_dir / "meta.json"
+    if meta.is_file():
+        try:
+            name = json.loads(meta.read_text()).get("tokenizer")
+        except (ValueError, OSError, AttributeError):
+            name = None
+        if isinstance(name, str) and name and "/" not in name and (data_dir / name).is_file():
+            return data_dir / name
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (data_dir / name).is_file():
+            return data_dir / name
+    return None
+
+
 def find_tokenizer(checkpoint, config):
-    """The run's tokenizer.model: one the checkpoint folder carries, else <data.dir>/tokenizer.model
-    (data.dir as `depthkit eval` takes it: absolute, or relative to the working directory; then,
-    for a run moved or loaded from elsewhere, relative to each folder above the checkpoint)."""
-    tried = [checkpoint / "tokenizer.model"]
+    """The run's tokenizer: a tokenizer.model or tokenizer.json the checkpoint folder carries, else the
+    one of data.dir (data.dir as `depthkit eval` takes it: absolute, or relative to the working
+    directory; then, for a run moved or loaded from elsewhere, relative to each folder above the
+    checkpoint)."""
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (checkpoint / name).is_file():
+            return checkpoint / name, None
     data_dir = pathlib.Path(config["data"]["dir"])
-    tried.append(data_dir / "tokenizer.model")
+    tried = [data_dir]
     if not data_dir.is_absolute():
-        tried += [parent / data_dir / "tokenizer.model" for parent in checkpoint.resolve().parents]
-    for path in tried:
-        if path.is_file():
-            return path, None
-    return None, (f"{tried[1]}: not found (text is tokenized with the tokenizer of the data the model was trained "
-                  f"on, prepared by `depthkit data prepare`; pass depthkit.load(..., tokenizer=PATH))")
+        tried += [parent / data_dir for parent in checkpoint.resolve().parents]
+    for folder in tried:
+        found = _data_dir_tokenizer(folder)
+        if found is not None:
+            return found, None
+    return None, (f"{data_dir / 'tokenizer.model'}: not found, nor tokenizer.json (text is tokenized with the "
+                  f"tokenizer of the data the model was trained on, prepared by `depthkit data prepare`; pass "
+                  f"depthkit.load(..., tokenizer=PATH))")
 
 
 def load(path, device=None, dtype=None, compute_dtype=None, tokenizer=None):
     """A depthkit run directory (its latest checkpoint) or checkpoint folder as a DepthkitModel in
     eval mode: model(tokens [B, T] long) -> logits [B, T, V], with `.tokenizer` (the run's, or the
-    tokenizer.model file / prepared data directory `tokenizer` names), `.config` (the resolved
+    tokenizer.model / tokenizer.json file or prepared data directory `tokenizer` names), `.config` (the resolved
     config, a dict), `.checkpoint` and `.step`.
 
     dtype: the parameters' dtype, float32 (default, as `depthkit forward`), float64 or bfloat16.
@@ -598,7 +620,8 @@ def load(path, device=None, dtype=None, compute_dtype=None, tokenizer=None):
     model.checkpoint, model.step = checkpoint, step
     if tokenizer is not None:
         tok_path = pathlib.Path(tokenizer)
-        tok_path = tok_path / "tokenizer.model" if tok_path.is_dir() else tok_path
+        if tok_path.is_dir():
+            tok_path = _data_dir_tokenizer(tok_path) or tok_path / "tokenizer.model"
         missing = None
     else:
         tok_path, missing = find_tokenizer(checkpoint, config)

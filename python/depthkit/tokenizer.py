@@ -1,6 +1,8 @@
-"""The tokenizer of a depthkit run: the SentencePiece model `depthkit data prepare` trained (BPE with
-byte fallback, identity normalisation, no dummy prefix), applied as src/depthkit/data/tokenizer.cpp
-applies it, so that the ids equal the C++ Tokenizer's for the same text.
+"""The tokenizer of a depthkit run, applied as src/depthkit/data/tokenizer.cpp applies it, so that the
+ids equal the C++ Tokenizer's for the same text: the SentencePiece model `depthkit data prepare`
+trained (BPE with byte fallback, identity normalisation, no dummy prefix), or a Hugging Face
+tokenizer.json (byte-level BPE: GPT-2, Llama-3) run by the `tokenizers` package with special-token
+strings read as text and no BOS added, as the C++ one does (docs/data.md).
 
 Text is encoded line by line: each line between newlines through SentencePiece, each newline as
 the byte-fallback piece <0x0A>. SentencePiece would otherwise treat a newline as ordinary
@@ -15,8 +17,19 @@ NEWLINE_PIECE = "<0x0A>"  # the byte-fallback piece of b"\n"
 MAX_MODEL_BYTES = 1 << 30  # as the C++ loader: a larger file is not a tokenizer model
 
 
+def _is_json(path):
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"{")
+
+
 class Tokenizer:
     """encode(str) -> list[int], decode(ids) -> str, eos_id, vocab_size, path."""
+
+    def __new__(cls, path):
+        if cls is Tokenizer and pathlib.Path(path).is_file() and _is_json(path):
+            return super().__new__(HfTokenizer)
+        return super().__new__(cls)
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
@@ -72,3 +85,50 @@ class Tokenizer:
 
     def __repr__(self):
         return f"Tokenizer({os.fspath(self.path)!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+class HfTokenizer(Tokenizer):
+    """A tokenizer.json through the `tokenizers` package: ids as depthkit's C++ HfBpeTokenizer gives."""
+
+    END_OF_DOCUMENT = ("<|endoftext|>", "<|end_of_text|>")  # GPT-2's, Llama-3's
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        size = self.path.stat().st_size
+        if size > MAX_MODEL_BYTES:
+            raise ValueError(f"{self.path}: {size} bytes, more than a tokenizer's {MAX_MODEL_BYTES}")
+        try:
+            import tokenizers
+        except ImportError:
+            raise ImportError(f"{self.path}: a tokenizer.json needs the `tokenizers` package "
+                              f"(pip install tokenizers)") from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            raise ValueError(f"{self.path}: cannot load tokenizer.json: {str(e).splitlines()[0]}") from None
+        self._tok.encode_special_tokens = True  # a special token's string in text is text
+        self._eos = next((i for i in map(self._tok.token_to_id, self.END_OF_DOCUMENT) if i is not None), None)
+        if self._eos is None:
+            raise ValueError(f"{self.path}: tokenizer has no end-of-document token ({' or '.join(self.END_OF_DOCUMENT)})")
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab_size = 1 + max(vocab.values())
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def encode(self, text: str) -> list:
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer.encode takes a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self._vocab_size:
+                raise ValueError(f"{self.path}: cannot decode id {i}: the tokenizer has ids 0 … {self._vocab_size - 1}")
+        return self._tok.decode(ids)

@@ -18,7 +18,7 @@ import torch
 import depthkit  # noqa: F401  (loads the operator library)
 from depthkit.model import MoeFeedForward, load, read_safetensors
 from depthkit.tokenizer import Tokenizer
-from conftest import load_torch_reference
+from conftest import load_torch_reference, read_shard, split_documents
 
 KINDS = ["residual", "attnres", "dar", "msar", "mhc", "attnres_sepv", "attnres_mhc"]
 RTOL = 1e-5  # max |difference| / max |logit|, float32 (issue 32, item 4)
@@ -210,27 +210,6 @@ SNIPPETS = [
 def synthetic_documents(n, seed):
     rng = random.Random(seed)
     return ["".join(rng.choice(SNIPPETS) for _ in range(rng.randint(3, 12))) for _ in range(n)]
-
-
-def read_shard(path):
-    """The token ids of a `depthkit data prepare` shard: a 1024-byte header whose third int32 is the
-    token count, then the ids as uint16 or uint32."""
-    raw = pathlib.Path(path).read_bytes()
-    count = struct.unpack("<3i", raw[:12])[2]
-    width = (len(raw) - 1024) // count if count else 2
-    return list(struct.unpack(f"<{count}{'H' if width == 2 else 'I'}", raw[1024:1024 + count * width]))
-
-
-def split_documents(ids, eos):
-    docs, cur = [], []
-    for i in ids:
-        if i == eos:
-            docs.append(cur)
-            cur = []
-        else:
-            cur.append(i)
-    assert not cur, "a shard ends inside a document"
-    return docs
 
 
 @pytest.fixture(scope="session")

@@ -116,7 +116,7 @@ void add_generate(CLI::App& app, Action& action) {
   auto a = std::make_shared<GenerateArgs>();
   cmd->add_option("--run-dir", a->run_dir, "run directory")->required();
   cmd->add_option("--checkpoint", a->checkpoint, "checkpoint name, e.g. step_00000100 (default: latest)");
-  cmd->add_option("--data", a->data, "prepared data directory holding tokenizer.model (default: the run's data.dir)");
+  cmd->add_option("--data", a->data, "prepared data directory holding the tokenizer (tokenizer.model or tokenizer.json; default: the run's data.dir)");
   cmd->add_option("--prompt", a->prompt, "the prompt text");
   cmd->add_option("--prompt-file", a->prompt_file, "a file whose whole text is the prompt");
   add_number(cmd, "--max-new-tokens", a->max_new_tokens, 0, INT64_MAX, "ids to generate at most (default 128)");

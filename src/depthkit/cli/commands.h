@@ -11,6 +11,7 @@ namespace depthkit::cli {
 using Action = std::function<int()>;
 
 void add_data(CLI::App& app, Action& action);
+void add_data_encode(CLI::App* data, Action& action);  // `data encode`, beside `data prepare`
 void add_train(CLI::App& app, Action& action);
 void add_eval(CLI::App& app, Action& action);
 void add_params(CLI::App& app, Action& action);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "depthkit/util/error.h"
@@ -33,6 +34,66 @@ void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, i
     }
   }
   write_file_atomic(path, bytes);
+}
+
+ShardWriter::ShardWriter(std::string path, int64_t vocab_size)
+    : path_(std::move(path)), vocab_size_(vocab_size), wide_(vocab_size > 65536) {
+  tmp_ = path_ + ".tmp-XXXXXX";
+  fd_ = ::mkstemp(tmp_.data());
+  if (fd_ < 0) fail(path_, ": cannot create its temporary: ", std::strerror(errno));
+  ::fchmod(fd_, 0644);  // as every file depthkit writes (mkstemp makes it 0600)
+  buffer_.assign(size_t(kShardHeaderBytes), '\0');  // the header, written again with the count at commit()
+}
+
+ShardWriter::~ShardWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void ShardWriter::append(const uint32_t* ids, size_t count) {
+  if (tokens_ + int64_t(count) > int64_t(INT32_MAX)) fail(path_, ": a shard holds at most 2^31-1 tokens");
+  const size_t width = wide_ ? 4 : 2;
+  const size_t at = buffer_.size();
+  buffer_.resize(at + count * width);
+  char* body = buffer_.data() + at;
+  for (size_t i = 0; i < count; ++i) {
+    if (ids[i] >= uint64_t(vocab_size_))
+      fail(path_, ": token id ", ids[i], " at position ", tokens_ + int64_t(i), " is >= vocab_size ", vocab_size_);
+    if (wide_) std::memcpy(body + 4 * i, &ids[i], 4);
+    else {
+      const uint16_t t = static_cast<uint16_t>(ids[i]);
+      std::memcpy(body + 2 * i, &t, 2);
+    }
+  }
+  tokens_ += int64_t(count);
+  if (buffer_.size() >= (size_t(4) << 20)) flush();
+}
+
+void ShardWriter::flush() {
+  const char* p = buffer_.data();
+  size_t left = buffer_.size();
+  while (left > 0) {
+    const ssize_t n = ::write(fd_, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail(path_, ": write failed: ", std::strerror(errno));
+    p += n;
+    left -= size_t(n);
+  }
+  buffer_.clear();
+}
+
+void ShardWriter::commit() {
+  flush();
+  const int32_t header[3] = {wide_ ? kShardMagicU32 : kShardMagicU16, wide_ ? kShardVersionU32 : kShardVersionU16,
+                             static_cast<int32_t>(tokens_)};
+  if (::pwrite(fd_, header, sizeof header, 0) != ssize_t(sizeof header))
+    fail(path_, ": cannot write the header: ", std::strerror(errno));
+  if (::fsync(fd_) != 0) fail(path_, ": fsync failed: ", std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  rename_durable(tmp_, path_);
 }
 
 namespace {

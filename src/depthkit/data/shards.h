@@ -20,6 +20,31 @@ constexpr int64_t kShardHeaderBytes = 256 * 4;
 // else 4-byte tokens.
 void write_shard(const std::string& path, const std::vector<uint32_t>& tokens, int64_t vocab_size);
 
+// One shard written as its tokens arrive, so that memory does not hold it: the tokens go to a
+// temporary beside `path` ("<path>.tmp-XXXXXX"); commit() writes the header's count, fsyncs and
+// renames it into place, so a shard is visible only complete. Destroyed before commit() (an
+// error, an exception's unwinding), it removes the temporary.
+class ShardWriter {
+ public:
+  ShardWriter(std::string path, int64_t vocab_size);
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+  void append(const uint32_t* ids, size_t count);
+  int64_t size() const { return tokens_; }
+  const std::string& path() const { return path_; }
+  void commit();
+
+ private:
+  void flush();
+  std::string path_, tmp_;
+  int fd_ = -1;
+  int64_t vocab_size_;
+  bool wide_;
+  int64_t tokens_ = 0;
+  std::string buffer_;
+};
+
 // A read-only shard. Opening validates the header and the file size. Tokens are read with
 // pread(2), not through a memory map: a shard that shrinks or is rewritten while a run reads it
 // then fails with a message naming it, where a mapped page past the new end would kill the

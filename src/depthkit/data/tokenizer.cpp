@@ -3,38 +3,122 @@
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
+#include <atomic>
+#include <cctype>
+#include <fstream>
 #include <thread>
+#include <unordered_map>
+#include <nlohmann/json.hpp>
 
+#include "depthkit/data/hf_tokenizer.h"
+#include "depthkit/data/utf8.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
 
 namespace depthkit {
 
-Tokenizer::Tokenizer(const std::string& model_path)
-    : path_(model_path), sp_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
-  regular_file_size(model_path, uintmax_t(1) << 30);  // a FIFO would block the load, a directory fail obscurely
-  auto status = sp_->Load(model_path);
-  if (!status.ok()) fail(model_path, ": cannot load SentencePiece model: ", status.ToString());
+namespace {
+
+// A tokenizer.json is a JSON object; a SentencePiece model is a binary protocol buffer.
+bool looks_like_json(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char c = 0;
+  while (in.get(c))
+    if (!std::isspace(static_cast<unsigned char>(c))) return c == '{';
+  return false;
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer(const std::string& path) : path_(path) {
+  regular_file_size(path, uintmax_t(1) << 30);  // a FIFO would block the load, a directory fail obscurely
+  if (looks_like_json(path)) {
+    hf_ = std::make_unique<HfBpeTokenizer>(path);
+    return;
+  }
+  sp_ = std::make_unique<sentencepiece::SentencePieceProcessor>();
+  auto status = sp_->Load(path);
+  if (!status.ok()) fail(path, ": cannot load SentencePiece model: ", status.ToString());
   newline_id_ = sp_->PieceToId("<0x0A>");
   if (newline_id_ == sp_->unk_id())
-    fail(model_path, ": tokenizer has no byte-fallback piece for '\\n' (train with byte_fallback)");
-  if (sp_->eos_id() < 0) fail(model_path, ": tokenizer has no end-of-document (eos) piece");
+    fail(path, ": tokenizer has no byte-fallback piece for '\\n' (train with byte_fallback)");
+  if (sp_->eos_id() < 0) fail(path, ": tokenizer has no end-of-document (eos) piece");
+  // SentencePiece writes a space as "▁" (identity normalisation, no dummy prefix). A merge could
+  // join the two sides of a space that follows a non-space only into a piece holding "x▁": if no
+  // piece does (split_by_whitespace, as data prepare trains), every such space is a boundary no
+  // merge crosses, and a line's BPE is its words' BPE side by side.
+  static std::atomic<uint64_t> instances{0};
+  instance_ = ++instances;
+  words_independent_ = true;
+  const std::string space = "\xE2\x96\x81";
+  for (int id = 0; id < sp_->GetPieceSize() && words_independent_; ++id) {
+    if (sp_->IsByte(id) || sp_->IsControl(id) || sp_->IsUnknown(id)) continue;
+    const std::string& piece = sp_->IdToPiece(id);
+    for (size_t at = piece.find(space, 1); at != std::string::npos; at = piece.find(space, at + 1))
+      if (piece.compare(at - 3, 3, space) != 0) words_independent_ = false;
+  }
 }
 
 Tokenizer::~Tokenizer() = default;
 
-std::vector<int> Tokenizer::encode(const std::string& text) const {
-  std::vector<int> out, line_ids;
+namespace {
+
+void sp_encode(const sentencepiece::SentencePieceProcessor& sp, std::string_view text, std::vector<int>& out) {
+  thread_local std::vector<int> ids;
+  ids.clear();
+  auto status = sp.Encode(text, &ids);
+  if (!status.ok()) fail("tokenizer encode failed: ", status.ToString());
+  out.insert(out.end(), ids.begin(), ids.end());
+}
+
+// A thread's ids of the words it has encoded, for one tokenizer at a time. Bounded: emptied when
+// full. The output never depends on it (the cached ids are what encoding the word gives).
+struct WordCache {
+  uint64_t owner = 0;
+  std::unordered_map<std::string, std::vector<int>> ids;
+  static constexpr size_t kMaxWords = size_t(1) << 18, kMaxWordBytes = 64;
+};
+
+}  // namespace
+
+void Tokenizer::encode_line(std::string_view line, std::vector<int>& out) const {
+  if (!words_independent_) return sp_encode(*sp_, line, out);
+  thread_local WordCache cache;
+  if (cache.owner != instance_ || cache.ids.size() >= WordCache::kMaxWords) {
+    cache.ids.clear();
+    cache.owner = instance_;
+  }
+  thread_local std::string key;
+  // Words: cut before each space that follows a non-space ("  foo bar" → "  foo", " bar").
+  for (size_t start = 0; start < line.size();) {
+    size_t end = start;
+    while (end < line.size() && line[end] == ' ') ++end;
+    while (end < line.size() && line[end] != ' ') ++end;
+    const std::string_view word = line.substr(start, end - start);
+    start = end;
+    if (word.size() > WordCache::kMaxWordBytes) {
+      sp_encode(*sp_, word, out);
+      continue;
+    }
+    key.assign(word);
+    auto it = cache.ids.find(key);
+    if (it == cache.ids.end()) {
+      std::vector<int> ids;
+      sp_encode(*sp_, word, ids);
+      it = cache.ids.emplace(key, std::move(ids)).first;
+    }
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+}
+
+std::vector<int> Tokenizer::encode(std::string_view text, bool recognise_special) const {
+  if (hf_) return hf_->encode(text, recognise_special);
+  std::vector<int> out;
   size_t start = 0;
   while (start <= text.size()) {
     size_t nl = text.find('\n', start);
     size_t end = nl == std::string::npos ? text.size() : nl;
-    if (end > start) {
-      line_ids.clear();
-      auto status = sp_->Encode(std::string_view(text).substr(start, end - start), &line_ids);
-      if (!status.ok()) fail("tokenizer encode failed: ", status.ToString());
-      out.insert(out.end(), line_ids.begin(), line_ids.end());
-    }
+    if (end > start) encode_line(text.substr(start, end - start), out);
     if (nl == std::string::npos) break;
     out.push_back(newline_id_);
     start = nl + 1;
@@ -43,14 +127,44 @@ std::vector<int> Tokenizer::encode(const std::string& text) const {
 }
 
 std::string Tokenizer::decode(const std::vector<int>& ids) const {
+  // Valid UTF-8, as SentencePiece's decode and `tokenizers`' give it: a byte-level token sequence
+  // may stop inside a character (U+FFFD, which generate's stream holds back until it completes).
+  if (hf_) return utf8_lossy(hf_->decode(ids));
   std::string text;
   auto status = sp_->Decode(ids, &text);
   if (!status.ok()) fail("tokenizer decode failed: ", status.ToString());
   return text;
 }
 
-int Tokenizer::vocab_size() const { return sp_->GetPieceSize(); }
-int Tokenizer::eos_id() const { return sp_->eos_id(); }
+int Tokenizer::vocab_size() const { return hf_ ? hf_->vocab_size() : sp_->GetPieceSize(); }
+int Tokenizer::eos_id() const { return hf_ ? hf_->eos_id() : sp_->eos_id(); }
+const char* Tokenizer::type() const { return hf_ ? "hf-byte-level-bpe" : "sentencepiece-bpe-byte-fallback"; }
+const char* Tokenizer::file_name() const { return hf_ ? "tokenizer.json" : "tokenizer.model"; }
+
+std::string data_tokenizer_path(const std::string& data_dir) {
+  const fs::path dir(data_dir);
+  const fs::path meta = dir / "meta.json";
+  if (fs::is_regular_file(meta)) {
+    const auto j = nlohmann::json::parse(read_file(meta, 64u << 20), nullptr, false);
+    if (j.is_object() && j.contains("tokenizer") && j["tokenizer"].is_string()) {
+      const std::string name = j["tokenizer"].get<std::string>();
+      if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+        fail(meta.string(), ": \"tokenizer\" must name a file beside it, got \"", printable(name), "\"");
+      const fs::path path = dir / name;
+      if (!fs::exists(path)) fail(path.string(), ": not found (", meta.string(), " names it as the tokenizer)");
+      return path.string();
+    }
+  }
+  const fs::path json = dir / "tokenizer.json", model = dir / "tokenizer.model";
+  const bool has_json = fs::exists(json), has_model = fs::exists(model);
+  if (has_json && has_model)
+    fail(data_dir, ": holds both tokenizer.json and tokenizer.model, and no meta.json says which the shards were made "
+         "with (remove one)");
+  if (has_json) return json.string();
+  if (has_model) return model.string();
+  fail(model.string(), ": not found, nor tokenizer.json (text is tokenized with the tokenizer of the data the model "
+       "was trained on: a `depthkit data prepare` output, or shards with the tokenizer.json they were made with; pass --data DIR)");
+}
 
 namespace {
 

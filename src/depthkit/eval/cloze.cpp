@@ -79,9 +79,7 @@ bool is_cloze_task_file(const fs::path& path) {
 }  // namespace
 
 std::vector<std::string> held_out_documents(const std::string& data_dir) {
-  const fs::path model = fs::path(data_dir) / "tokenizer.model";
-  if (!fs::exists(model)) fail(model.string(), ": not found (a `depthkit data prepare` output directory is needed)");
-  Tokenizer tok(model.string());
+  Tokenizer tok(data_tokenizer_path(data_dir));
   TokenDataset val(data_dir, "val", tok.vocab_size());
   std::vector<std::string> docs;
   std::vector<int> doc;

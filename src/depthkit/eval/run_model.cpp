@@ -33,14 +33,10 @@ RunModel load_run_model(const std::filesystem::path& run_dir, const std::string&
 }
 
 std::unique_ptr<Tokenizer> load_data_tokenizer(const std::string& data_dir, int64_t vocab_size) {
-  const auto path = std::filesystem::path(data_dir) / "tokenizer.model";
-  if (!std::filesystem::is_regular_file(path))
-    fail(path.string(), ": not found (text is tokenized with the tokenizer of the data the model was trained on, "
-         "prepared by `depthkit data prepare`; pass --data DIR)");
-  auto tok = std::make_unique<Tokenizer>(path.string());
+  const std::string path = data_tokenizer_path(data_dir);
+  auto tok = std::make_unique<Tokenizer>(path);
   if (tok->vocab_size() > vocab_size)
-    fail(path.string(), ": tokenizer has ", tok->vocab_size(), " ids, more than the model's model.vocab_size ",
-         vocab_size);
+    fail(path, ": tokenizer has ", tok->vocab_size(), " ids, more than the model's model.vocab_size ", vocab_size);
   return tok;
 }
 

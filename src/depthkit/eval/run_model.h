@@ -40,8 +40,8 @@ RunModel load_run_model(const std::filesystem::path& run_dir, const std::string&
 // The checkpoint folder `checkpoint_dir` itself.
 RunModel load_checkpoint_model(const std::filesystem::path& checkpoint_dir, RunPrecision precision);
 
-// The tokenizer of a prepared data directory (DIR/tokenizer.model), refused when its ids exceed
-// the model's vocabulary.
+// The tokenizer of a prepared data directory (data_tokenizer_path: tokenizer.model or
+// tokenizer.json), refused when its ids exceed the model's vocabulary.
 std::unique_ptr<Tokenizer> load_data_tokenizer(const std::string& data_dir, int64_t vocab_size);
 
 }  // namespace depthkit
