@@ -255,3 +255,9 @@ def test_every_code_point_class(variant, tokenizer_files, depthkit_program, tmp_
     Unicode tables against Oniguruma's) put it decides the pre-tokens."""
     inputs = sweep(1, 0, 0x30000) + sweep(7, 0x30000, 0x110000)
     compare(depthkit_program, tokenizer_files[variant], inputs, False, tmp_path, check_decode=False)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama3"])
+def test_whole_bundled_corpus(variant, tokenizer_files, documents, depthkit_program, tmp_path):
+    """Every document of the bundled corpus (497, 11 MB), whole, as data prepare encodes them."""
+    compare(depthkit_program, tokenizer_files[variant], documents, False, tmp_path)
