@@ -232,6 +232,35 @@ TEST(Prepare, WritesShardsAndMetaDeterministically) {
   Progress::set_enabled(true);
 }
 
+// A shard written as its ids arrive: invisible until commit(), then the llm.c layout for its
+// vocabulary (uint16 up to 65,536 ids, uint32 above: Llama-3's 128,256), read back whole; an id out
+// of range is refused naming the shard, and an uncommitted writer leaves nothing behind.
+TEST(Shards, WriterStreamsBothLayouts) {
+  TempDir d;
+  for (const int64_t vocab : {int64_t(50257), int64_t(128256)}) {
+    const std::string path = d.str("train_" + std::to_string(vocab) + ".bin");
+    std::vector<uint32_t> ids;
+    for (uint32_t i = 0; i < 3000; ++i) ids.push_back(uint32_t((i * 2654435761u) % uint64_t(vocab)));
+    {
+      ShardWriter w(path, vocab);
+      w.append(ids.data(), 1000);
+      w.append(ids.data() + 1000, 2000);
+      EXPECT_FALSE(fs::exists(path)) << "visible before commit";
+      w.commit();
+    }
+    EXPECT_EQ(read_shard(path), ids);
+    Shard s(path);
+    EXPECT_EQ(s.token_bytes(), vocab > 65536 ? 4 : 2);
+  }
+  {
+    ShardWriter w(d.str("bad.bin"), 100);
+    const uint32_t bad = 100;
+    expect_error([&] { w.append(&bad, 1); }, {"bad.bin", "token id 100", "vocab_size 100"});
+  }
+  EXPECT_FALSE(fs::exists(d.str("bad.bin")));
+  for (const auto& e : fs::directory_iterator(d.path)) EXPECT_EQ(e.path().string().find(".tmp-"), std::string::npos);
+}
+
 // Well-formed UTF-8 as Unicode's Table 3-7 defines it; the first bad byte is the one named.
 TEST(Utf8, Validation) {
   size_t at = 99;
