@@ -338,7 +338,8 @@ struct Added {
   bool special = false;
 };
 
-// Words up to this many bytes are cached (tokenizers' MAX_LENGTH), at most kCacheEntries per thread.
+// Words up to this many bytes are cached (tokenizers' MAX_LENGTH), the first kCacheEntries a thread
+// meets.
 constexpr size_t kCacheWordBytes = 256;
 constexpr size_t kCacheEntries = size_t(1) << 17;
 
@@ -754,8 +755,10 @@ void HfBpeTokenizer::Impl::bpe(std::string_view word, std::vector<int>& out) con
   }
   const size_t from = out.size();
   merge_word(word, out);
-  if (cache.words.size() >= kCacheEntries) cache.words.clear();
-  cache.words.emplace(std::string(word), std::vector<int>(out.begin() + from, out.end()));
+  // Full, it keeps what it has (tokenizers' policy): the words seen first are a corpus's most
+  // frequent ones, where emptying it would cost a warm-up each time it fills.
+  if (cache.words.size() < kCacheEntries)
+    cache.words.emplace(std::string(word), std::vector<int>(out.begin() + from, out.end()));
 }
 
 // The pre-tokenizer from step `step` on, then BPE, on one piece of text (no added token in it).

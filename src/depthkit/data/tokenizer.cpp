@@ -71,8 +71,9 @@ void sp_encode(const sentencepiece::SentencePieceProcessor& sp, std::string_view
   out.insert(out.end(), ids.begin(), ids.end());
 }
 
-// A thread's ids of the words it has encoded, for one tokenizer at a time. Bounded: emptied when
-// full. The output never depends on it (the cached ids are what encoding the word gives).
+// A thread's ids of the first kMaxWords words it has encoded, for one tokenizer at a time; full, it
+// keeps them (the words a corpus shows first are its most frequent; emptying it would cost a warm-up
+// each time it fills), as `tokenizers`' cache does. The output never depends on it.
 struct WordCache {
   uint64_t owner = 0;
   std::unordered_map<std::string, std::vector<int>> ids;
@@ -84,7 +85,7 @@ struct WordCache {
 void Tokenizer::encode_line(std::string_view line, std::vector<int>& out) const {
   if (!words_independent_) return sp_encode(*sp_, line, out);
   thread_local WordCache cache;
-  if (cache.owner != instance_ || cache.ids.size() >= WordCache::kMaxWords) {
+  if (cache.owner != instance_) {
     cache.ids.clear();
     cache.owner = instance_;
   }
@@ -101,13 +102,13 @@ void Tokenizer::encode_line(std::string_view line, std::vector<int>& out) const 
       continue;
     }
     key.assign(word);
-    auto it = cache.ids.find(key);
-    if (it == cache.ids.end()) {
-      std::vector<int> ids;
-      sp_encode(*sp_, word, ids);
-      it = cache.ids.emplace(key, std::move(ids)).first;
+    if (auto it = cache.ids.find(key); it != cache.ids.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      continue;
     }
-    out.insert(out.end(), it->second.begin(), it->second.end());
+    const size_t from = out.size();
+    sp_encode(*sp_, word, out);
+    if (cache.ids.size() < WordCache::kMaxWords) cache.ids.emplace(key, std::vector<int>(out.begin() + from, out.end()));
   }
 }
 
