@@ -228,10 +228,22 @@ std::string too_long(const CorpusFile& f, const std::string& where) {
              " MiB; data prepare holds each document in memory whole (split it)");
 }
 
-// JSONL: one record a line. "\r\n" endings are taken as "\n".
-class LineReader : public RecordReader {
+// A reader of a file's (decompressed) bytes: JSONL lines, or a text file whole.
+class ByteRecordReader : public RecordReader {
  public:
-  LineReader(const CorpusFile& f, uint32_t index) : file_(f), index_(index), source_(open_bytes(f)), buffer_(1 << 20) {}
+  ByteRecordReader(const CorpusFile& f, uint32_t index) : file_(f), index_(index), source_(open_bytes(f)) {}
+  uintmax_t position() const override { return source_->position(); }
+
+ protected:
+  const CorpusFile& file_;
+  uint32_t index_;
+  std::unique_ptr<ByteSource> source_;
+};
+
+// JSONL: one record a line. "\r\n" endings are taken as "\n".
+class LineReader : public ByteRecordReader {
+ public:
+  LineReader(const CorpusFile& f, uint32_t index) : ByteRecordReader(f, index), buffer_(1 << 20) {}
   bool next(Record& r) override {
     r.file = index_;
     r.is_null = false;
@@ -263,12 +275,8 @@ class LineReader : public RecordReader {
     r.row = ++line_;
     return true;
   }
-  uintmax_t position() const override { return source_->position(); }
 
  private:
-  const CorpusFile& file_;
-  uint32_t index_;
-  std::unique_ptr<ByteSource> source_;
   std::vector<char> buffer_;
   size_t pos_ = 0, end_ = 0;
   int64_t line_ = 0;
@@ -276,9 +284,9 @@ class LineReader : public RecordReader {
 };
 
 // A text file: one record, the whole file.
-class WholeFileReader : public RecordReader {
+class WholeFileReader : public ByteRecordReader {
  public:
-  WholeFileReader(const CorpusFile& f, uint32_t index) : file_(f), index_(index), source_(open_bytes(f)) {}
+  using ByteRecordReader::ByteRecordReader;
   bool next(Record& r) override {
     if (done_) return false;
     done_ = true;
@@ -293,12 +301,8 @@ class WholeFileReader : public RecordReader {
     }
     return true;
   }
-  uintmax_t position() const override { return source_->position(); }
 
  private:
-  const CorpusFile& file_;
-  uint32_t index_;
-  std::unique_ptr<ByteSource> source_;
   bool done_ = false;
 };
 
