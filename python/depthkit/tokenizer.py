@@ -66,6 +66,17 @@ class Tokenizer:
     def encode(self, text: str) -> list:
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode takes a str, got {type(text).__name__}")
+        return self._encode(text)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        n = self.vocab_size
+        for i in ids:
+            if not 0 <= i < n:
+                raise ValueError(f"{self.path}: cannot decode id {i}: the tokenizer has ids 0 … {n - 1}")
+        return self._decode(ids)
+
+    def _encode(self, text):
         lines = text.split("\n")
         out = []
         for i, line in enumerate(lines):
@@ -75,12 +86,7 @@ class Tokenizer:
                 out.extend(self._sp.encode(line, out_type=int))
         return out
 
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        n = self.vocab_size
-        for i in ids:
-            if not 0 <= i < n:
-                raise ValueError(f"{self.path}: cannot decode id {i}: the tokenizer has ids 0 … {n - 1}")
+    def _decode(self, ids):
         return self._sp.decode(ids)
 
     def __repr__(self):
@@ -121,14 +127,8 @@ class HfTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list:
-        if not isinstance(text, str):
-            raise TypeError(f"Tokenizer.encode takes a str, got {type(text).__name__}")
+    def _encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids) -> str:
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self._vocab_size:
-                raise ValueError(f"{self.path}: cannot decode id {i}: the tokenizer has ids 0 … {self._vocab_size - 1}")
+    def _decode(self, ids):
         return self._tok.decode(ids)
