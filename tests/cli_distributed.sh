@@ -21,37 +21,9 @@ SETS=(--config "$SRC/configs/tiny.toml" --set model.vocab_size=512 --set model.s
       --set train.eval_tokens=2048 --set train.eval_every=10 --set train.checkpoint_every=10
       --set optim.warmup_steps=5 --set train.log_every=1 --set train.steps=20)
 
-# compare.py A B [--exact]: per-step losses (metrics.jsonl) within 1e-5 relative and the final
-# parameters within float32 rounding (1e-5 of max(1, |p|)), or identical with --exact.
-cat >compare.py <<'EOF'
-import json, struct, sys
-import numpy as np
-
-def tensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    out = {}
-    for name, e in json.loads(raw[8:8 + n]).items():
-        if name != "__metadata__":
-            s, t = e["data_offsets"]
-            out[name] = np.frombuffer(raw[8 + n + s:8 + n + t], dtype={"F32": np.float32, "I64": np.int64}[e["dtype"]])
-    return out
-
-def losses(run):
-    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{run}/metrics.jsonl")) if "loss" in j}
-
-a, b, exact = sys.argv[1], sys.argv[2], "--exact" in sys.argv
-la, lb = losses(a), losses(b)
-assert la.keys() == lb.keys() and len(la) == 20, f"steps {sorted(la)} vs {sorted(lb)}"
-worst_loss = max(abs(la[s] - lb[s]) / abs(lb[s]) for s in la)
-ta = tensors(f"{a}/checkpoints/step_00000020/model.safetensors")
-tb = tensors(f"{b}/checkpoints/step_00000020/model.safetensors")
-assert ta.keys() == tb.keys()
-worst_param = max(float(np.max(np.abs(ta[k].astype(np.float64) - tb[k]) / max(1.0, float(np.abs(tb[k]).max())))) for k in ta)
-print(f"{a} vs {b}: losses {worst_loss:.2e}, parameters {worst_param:.2e} (largest relative difference)")
-limit = 0 if exact else 1e-5
-sys.exit(0 if worst_loss <= limit and worst_param <= limit else 1)
-EOF
+# compare A B [--exact]: per-step losses within 1e-5 relative and the final parameters within
+# float32 rounding, or identical with --exact (tests/compare_runs.py).
+compare() { python3 "$SRC/tests/compare_runs.py" "$@"; }
 
 for kind in residual dar msar; do
   "$DK" train "${SETS[@]}" --set residual.kind=$kind --run-dir two_$kind --nproc 2 >/dev/null 2>two_$kind.log \
@@ -59,7 +31,7 @@ for kind in residual dar msar; do
   "$DK" train "${SETS[@]}" --set residual.kind=$kind --set train.grad_accum=2 --set train.threads=1 \
     --run-dir one_$kind >/dev/null 2>one_$kind.log || { cat one_$kind.log; fail "$kind: 1 rank"; }
   [ "$(json '["world_size"]' <two_$kind/summary.json)" = 2 ] || fail "$kind: summary world_size"
-  python3 compare.py two_$kind one_$kind || fail "$kind: 2 ranks x accumulation 1 differ from 1 rank x accumulation 2"
+  compare two_$kind one_$kind || fail "$kind: 2 ranks x accumulation 1 differ from 1 rank x accumulation 2"
 done
 
 # ZeRO-1: the same arithmetic, sharded: identical parameters and optimizer state (one thread a
@@ -84,12 +56,12 @@ rc=0; "$DK" train --resume --run-dir moved >/dev/null 2>refused.log || rc=$?
 [ $rc = 1 ] && grep -q "global batch of 8 sequences.*--set train.grad_accum=2" refused.log \
   || { cat refused.log; fail "a resume with another global batch was not refused"; }
 "$DK" train --resume --run-dir moved --set train.grad_accum=2 >/dev/null 2>resumed.log || { cat resumed.log; fail "resume on 1 rank"; }
-python3 compare.py moved two_residual --exact || fail "the 2-rank checkpoint resumed on 1 rank differs from the uninterrupted run"
+compare moved two_residual --exact || fail "the 2-rank checkpoint resumed on 1 rank differs from the uninterrupted run"
 
 # torchrun launches the program itself (its agent hosts the store).
 timeout 300 torchrun --nproc-per-node 2 --no-python "$DK" train "${SETS[@]}" --run-dir torchrun >/dev/null 2>torchrun.log \
   || { cat torchrun.log; fail "torchrun"; }
-python3 compare.py torchrun two_residual --exact || fail "torchrun's run differs from --nproc's"
+compare torchrun two_residual --exact || fail "torchrun's run differs from --nproc's"
 
 # One line from one process: every failure below must leave exactly one line on stderr (besides
 # the progress lines of a run that started) and exit below 128.

@@ -106,11 +106,15 @@ struct TrainConfig {
   // compute_dtype(train) (model/transformer.h).
   std::string dtype = "float32";
   // Many processes (docs/training.md): the c10d backend (auto: nccl on cuda, gloo on cpu), ZeRO
-  // stage (0: every rank keeps all AdamW state; 1: sharded across ranks), and the bound on every
+  // stage (0: every rank keeps all AdamW state; 1: the AdamW state sharded across ranks; 2: the
+  // gradients too, train/sharded_gradients.h), and the bound on every
   // collective and on the rendezvous, after which a lost rank stops the job.
   std::string backend = "auto";
   int64_t zero = 0;
   double timeout_s = 300;
+  // Activations recomputed in backward instead of kept (docs/training.md, "Recomputation"):
+  // "none" | "branch" (each attention and feed-forward branch; Transformer::set_recompute).
+  std::string recompute = "none";
 };
 
 struct OptimConfig {

@@ -19,6 +19,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <functional>
+#include <utility>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -443,6 +444,51 @@ at::Tensor World::all_gather(const at::Tensor& shard) {
   std::vector<at::Tensor> ins{in};
   impl_->wait(impl_->group->allgather(outs, ins));
   return out.to(shard.device());
+}
+
+void World::send(const at::Tensor& t, int64_t dst) {
+  std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
+  impl_->wait(impl_->group->send(ts, int(dst), 0));
+}
+
+void World::recv(at::Tensor& t, int64_t src) {
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->recv(ts, int(src), 0); });
+}
+
+namespace {
+
+class PendingWork final : public PendingCollective {
+ public:
+  PendingWork(c10::intrusive_ptr<c10d::Work> work, std::function<void(const c10::intrusive_ptr<c10d::Work>&)> wait)
+      : work_(std::move(work)), wait_(std::move(wait)) {}
+  void wait() override {
+    if (work_) wait_(std::exchange(work_, {}));
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void(const c10::intrusive_ptr<c10d::Work>&)> wait_;
+};
+
+class Done final : public PendingCollective {
+ public:
+  void wait() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<PendingCollective> World::reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out) {
+  if (int64_t(pieces.size()) != size_ || pieces[size_t(rank_)].numel() != out.numel())
+    fail("World::reduce_scatter: ", pieces.size(), " pieces for ", size_, " ranks, or this rank's piece has ",
+         pieces.empty() ? 0 : pieces[size_t(rank_)].numel(), " elements for an output of ", out.numel());
+  if (!distributed()) {
+    out.copy_(pieces[0]);
+    return std::make_unique<Done>();
+  }
+  std::vector<at::Tensor> outs{out};
+  std::vector<std::vector<at::Tensor>> ins{pieces};
+  return std::make_unique<PendingWork>(impl_->group->reduce_scatter(outs, ins),
+                                       [impl = impl_.get()](const c10::intrusive_ptr<c10d::Work>& w) { impl->wait(w); });
 }
 
 void World::agree(bool ok, const std::string& what, const Facts& facts) {

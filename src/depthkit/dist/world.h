@@ -60,6 +60,14 @@ class GradientReducer {
   virtual void before_backward() = 0;
 };
 
+// A collective started and not yet waited for (World::reduce_scatter).
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  // Returns once the result is in place; a failed collective is a CollectiveError.
+  virtual void wait() = 0;
+};
+
 class World {
  public:
   // What a rank starts from, name → value ({"train.seed", "1"}): ranks whose facts differ refuse to
@@ -88,6 +96,13 @@ class World {
   void broadcast(at::Tensor& t, int64_t root = 0);
   // Every rank's `shard` (1-D, the same length on every rank) concatenated in rank order.
   at::Tensor all_gather(const at::Tensor& shard);
+  // Point to point: `t` to rank dst, and into `t` from rank src (the sizes agreed beforehand).
+  void send(const at::Tensor& t, int64_t dst);
+  void recv(at::Tensor& t, int64_t src);
+  // Starts a summing reduce-scatter: `out` receives the sum over ranks of their pieces[rank()].
+  // pieces holds one 1-D tensor per rank, pieces[r] as long as rank r's `out` (lengths may differ,
+  // zero included). In one process, out = pieces[0]. The tensors must stay alive until wait().
+  std::unique_ptr<PendingCollective> reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out);
 
   // Start-up: every rank says whether its part succeeded and what it starts from. Returns on all
   // ranks when all succeeded with the same facts. Otherwise throws, on the ranks that succeeded:

@@ -4,6 +4,8 @@
 
 
 #include <algorithm>
+#include <exception>
+#include <optional>
 #include <cerrno>
 #include <cstring>
 #include <tuple>
@@ -71,46 +73,113 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   file.commit();
 }
 
-SafetensorsStreamWriter::SafetensorsStreamWriter(const std::string& path, const std::string& name,
-                                                 at::ScalarType dtype, std::vector<int64_t> shape,
+SafetensorsStreamWriter::SafetensorsStreamWriter(const std::string& path, const std::vector<TensorSpec>& tensors,
                                                  const std::map<std::string, std::string>& metadata)
-    : dtype_(dtype) {
-  uint64_t bytes = c10::elementSize(dtype);
-  for (int64_t n : shape)
-    if (n < 0 || __builtin_mul_overflow(bytes, uint64_t(n), &bytes)) fail(path, ": tensor shape too large");
-  data_bytes_ = bytes;
+    : path_(path) {
   nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  header[name] = {{"dtype", dtype_name(dtype)}, {"shape", shape}, {"data_offsets", {uint64_t(0), bytes}}};
+  for (const TensorSpec& t : tensors) {
+    uint64_t bytes = c10::elementSize(t.dtype);
+    for (int64_t n : t.shape)
+      if (n < 0 || __builtin_mul_overflow(bytes, uint64_t(n), &bytes)) fail(path, ": tensor '", t.name, "' shape too large");
+    if (header.contains(t.name)) fail(path, ": tensor '", t.name, "' given twice");
+    header[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {data_bytes_, data_bytes_ + bytes}}};
+    starts_.emplace_back(data_bytes_, t.dtype);
+    data_bytes_ += bytes;
+  }
   const std::string head = header_bytes(header);
   header_bytes_ = head.size();
   file_ = std::make_unique<AtomicFile>(path);
   file_->write(head);
-  path_ = path;
 }
 
 SafetensorsStreamWriter::~SafetensorsStreamWriter() = default;
 
+TensorStream TensorStream::of(const NamedTensors& tensors) {
+  TensorStream s;
+  for (const auto& [name, t] : tensors) s.specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  s.produce = [&tensors](const Sink& sink) {
+    for (const auto& entry : tensors) sink(entry.second);
+  };
+  return s;
+}
+
+void save_safetensors(const std::string& path, const TensorStream& stream, bool writer,
+                      const std::map<std::string, std::string>& metadata) {
+  if (!writer) return stream.produce([](const at::Tensor&) {});
+  // A writer that cannot write still runs the producer to its end (the other ranks' collectives
+  // wait for it), then reports why.
+  std::exception_ptr error;
+  std::optional<SafetensorsStreamWriter> file;
+  try {
+    file.emplace(path, stream.specs, metadata);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  stream.produce([&](const at::Tensor& piece) {
+    if (error) return;
+    try {
+      file->append(piece);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+  file->commit();
+}
+
 void SafetensorsStreamWriter::append(const at::Tensor& piece) {
-  at::Tensor c = piece.detach().to(at::kCPU, dtype_).contiguous();
+  // The dtype of the tensor this piece starts in (the last one that starts at or before written_).
+  at::ScalarType dtype = starts_.empty() ? piece.scalar_type() : starts_.front().second;
+  for (const auto& [start, t] : starts_)
+    if (start <= written_) dtype = t;
+  at::Tensor c = piece.detach().to(at::kCPU, dtype).contiguous();
   const uint64_t bytes = uint64_t(c.numel()) * c.element_size();
-  if (written_ + bytes > data_bytes_) fail(path_, ": more tensor bytes written than its shape holds");
+  if (written_ + bytes > data_bytes_) fail(path_, ": more tensor bytes written than the shapes hold");
   file_->write(tensor_bytes(c));
   written_ += bytes;
 }
 
 void SafetensorsStreamWriter::commit() {
-  if (written_ != data_bytes_) fail(path_, ": ", written_, " of the tensor's ", data_bytes_, " bytes were written");
+  if (written_ != data_bytes_) fail(path_, ": ", written_, " of the tensors' ", data_bytes_, " bytes were written");
   file_->commit();
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
+struct SafetensorsReader::Impl {
+  struct Entry {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    uint64_t begin, end;
+  };
+  std::string path;
+  uint64_t data_start = 0;
+  std::vector<Entry> entries;  // in the order of their bytes
+  std::map<std::string, size_t> index;
+  std::map<std::string, std::string> metadata;
+  mutable std::ifstream in;
+  const Entry& entry(const std::string& name) const {
+    auto it = index.find(name);
+    if (it == index.end()) fail(path, ": no tensor '", name, "'");
+    return entries[it->second];
+  }
+  void read_bytes(void* into, uint64_t offset, uint64_t bytes, const std::string& name) const {
+    in.clear();
+    in.seekg(std::streamoff(data_start + offset));
+    in.read(static_cast<char*>(into), std::streamsize(bytes));
+    if (!in) fail(path, ": could not read the ", bytes, " bytes of tensor '", name, "'");
+  }
+};
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
   // Everything is checked against the format's rules before any tensor is allocated: the header
   // lies inside the file; every entry has a known dtype, a shape of non-negative dimensions and
   // two offsets; shape × dtype size equals its byte range; the ranges, in order, are contiguous,
   // do not overlap and cover the data section exactly (no holes, no aliased weights).
   const uint64_t file_size = regular_file_size(path);
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream& in = impl_->in;
+  in.open(path, std::ios::binary);
   if (!in) fail(path, ": cannot open safetensors file");
   if (file_size < 8) fail(path, ": not a safetensors file (", file_size, " bytes, no header)");
   unsigned char len_bytes[8];
@@ -130,20 +199,14 @@ SafetensorsFile load_safetensors(const std::string& path) {
   if (!header.is_object()) fail(path, ": safetensors header is not a JSON object");
   const uint64_t data_size = file_size - 8 - header_len;
 
-  struct Entry {
-    std::string name;
-    at::ScalarType dtype;
-    std::vector<int64_t> shape;
-    uint64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  SafetensorsFile out;
+  using Entry = Impl::Entry;
+  std::vector<Entry>& entries = impl_->entries;
   for (auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) fail(path, ": safetensors '__metadata__' is not a JSON object");
       for (auto& [k, v] : entry.items()) {
         if (!v.is_string()) fail(path, ": safetensors metadata '", k, "' is not a string");
-        out.metadata[k] = v.get<std::string>();
+        impl_->metadata[k] = v.get<std::string>();
       }
       continue;
     }
@@ -190,13 +253,52 @@ SafetensorsFile load_safetensors(const std::string& path) {
   if (covered != data_size)
     fail(path, ": the tensors cover ", covered, " of the ", data_size, " data bytes (header length or offsets are wrong)");
 
-  for (const Entry& e : entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-    in.seekg(std::streamoff(8 + header_len + e.begin));
-    in.read(static_cast<char*>(t.mutable_data_ptr()), std::streamsize(e.end - e.begin));
-    if (!in) fail(path, ": could not read the ", e.end - e.begin, " bytes of tensor '", e.name, "'");
-    out.tensors[e.name] = t;
-  }
+  impl_->data_start = 8 + header_len;
+  for (size_t i = 0; i < entries.size(); ++i) impl_->index[entries[i].name] = i;
+}
+
+SafetensorsReader::~SafetensorsReader() = default;
+SafetensorsReader::SafetensorsReader(SafetensorsReader&&) noexcept = default;
+SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&&) noexcept = default;
+const std::string& SafetensorsReader::path() const { return impl_->path; }
+const std::map<std::string, std::string>& SafetensorsReader::metadata() const { return impl_->metadata; }
+bool SafetensorsReader::contains(const std::string& name) const { return impl_->index.count(name) > 0; }
+
+std::vector<TensorSpec> SafetensorsReader::tensors() const {
+  std::vector<TensorSpec> out;
+  for (const auto& e : impl_->entries) out.push_back({e.name, e.dtype, e.shape});
+  return out;
+}
+
+std::optional<TensorSpec> SafetensorsReader::spec(const std::string& name) const {
+  if (!contains(name)) return std::nullopt;
+  const auto& e = impl_->entry(name);
+  return TensorSpec{e.name, e.dtype, e.shape};
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) const {
+  const auto& e = impl_->entry(name);
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  impl_->read_bytes(t.mutable_data_ptr(), e.begin, e.end - e.begin, name);
+  return t;
+}
+
+at::Tensor SafetensorsReader::read_elements(const std::string& name, int64_t begin, int64_t count) const {
+  const auto& e = impl_->entry(name);
+  const uint64_t size = c10::elementSize(e.dtype);
+  const uint64_t numel = (e.end - e.begin) / size;
+  if (begin < 0 || count < 0 || uint64_t(begin) + uint64_t(count) > numel)
+    fail(impl_->path, ": elements [", begin, ", ", begin + count, ") of tensor '", name, "' lie outside its ", numel);
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(e.dtype));
+  impl_->read_bytes(t.mutable_data_ptr(), e.begin + uint64_t(begin) * size, uint64_t(count) * size, name);
+  return t;
+}
+
+SafetensorsFile load_safetensors(const std::string& path) {
+  const SafetensorsReader reader(path);
+  SafetensorsFile out;
+  for (const TensorSpec& t : reader.tensors()) out.tensors[t.name] = reader.read(t.name);
+  out.metadata = reader.metadata();
   return out;
 }
 

@@ -12,6 +12,7 @@
 
 #include <utility>
 
+#include "depthkit/model/recompute.h"
 #include "depthkit/nn/precision.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
@@ -58,6 +59,13 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
     }
   }
   stats_.resize(size_t(cfg_.n_layers));
+  // Each branch's parameters, by their names' prefix (layers.i.attention, layers.i.feed_forward).
+  branch_parameters_.resize(size_t(cfg_.n_branches() + 1));
+  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
+    const std::string prefix = cat("layers.", (l - 1) / 2, l % 2 == 1 ? ".attention." : ".feed_forward.");
+    for (const auto& p : params_.all())
+      if (p.name.compare(0, prefix.size(), prefix) == 0) branch_parameters_[size_t(l)].push_back(p.tensor);
+  }
   path_ = make_pathway(residual, cfg_, params_);
   final_norm_ = params_.add("final_norm", "norm", {d}, Init::Ones);
   lm_head_ = cfg_.tie_embeddings ? embedding_
@@ -111,6 +119,28 @@ at::Tensor Transformer::hidden(const at::Tensor& tokens, const AfterBranch& afte
   return run(*state, after_branch, nullptr);
 }
 
+void Transformer::set_recompute(const std::string& mode) {
+  if (mode != "none" && mode != "branch") fail("key 'train.recompute' must be one of \"none\", \"branch\", got \"", mode, "\"");
+  recompute_branches_ = mode == "branch";
+}
+
+at::Tensor Transformer::recomputed_branch(int64_t l, const at::Tensor& h) {
+  const int64_t layer = (l - 1) / 2;
+  const bool moe = l % 2 == 0 && moe_[size_t(layer)];
+  // The expert load is not differentiable: the forward run's is kept, outside the region.
+  auto load = std::make_shared<at::Tensor>();
+  const Region region = [this, l, layer, moe, load](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    if (!moe) return {branch(l, in[0])};
+    MoeStats s;
+    at::Tensor y = moe_[size_t(layer)]->forward(in[0], &s);
+    *load = s.load;
+    return {y, s.aux_loss, s.z_loss};
+  };
+  const std::vector<at::Tensor> out = run_recomputed(region, {h}, branch_parameters_[size_t(l)]);
+  if (moe) stats_[size_t(layer)] = MoeStats{out[1], out[2], *load};
+  return out[0];
+}
+
 at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding) {
   for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
     auto h = path_->read(state, l);
@@ -118,7 +148,7 @@ at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch
     path_->write(state, l,
                  decoding && l % 2 == 1
                      ? attention_[layer].forward(h, *rope_, decoding->state.layers[layer], decoding->chunk)
-                     : branch(l, h));
+                     : recompute_branches_ ? recomputed_branch(l, h) : branch(l, h));
     if (after_branch) after_branch(l, state);
   }
   collect_terms();

@@ -103,6 +103,10 @@ class Transformer {
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
   at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d], compute dtype
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
+  // train.recompute (docs/training.md, "Recomputation"): "none" keeps every activation for
+  // backward; "branch" keeps each branch's input only and runs the branch again in backward
+  // (model/recompute.h), with gradients bit-identical to "none".
+  void set_recompute(const std::string& mode);
 
  private:
   ModelConfig cfg_;
@@ -115,6 +119,10 @@ class Transformer {
   std::vector<std::optional<MoeFeedForward>> moe_;       // per layer: MoE (absent in dense layers)
   mutable std::vector<MoeStats> stats_;                  // per layer, the last branch() call's
   MoeTerms terms_;
+  bool recompute_branches_ = false;
+  std::vector<std::vector<at::Tensor>> branch_parameters_;  // [ℓ]: the parameters f_ℓ reads
+  // f_ℓ under recomputation: the branch's output (and an MoE layer's statistics) as branch() gives them.
+  at::Tensor recomputed_branch(int64_t l, const at::Tensor& h);
   void collect_terms();
   // The branches over a begun pathway state, then the final norm: hidden() and extend() (with
   // `decoding`, whose attention reads and fills the caches).

@@ -53,11 +53,33 @@ void restore_rng_state(const std::string& hex, const std::string& source) {
 
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
                           const TrainerState& st) {
-  TemporaryDirectory building(make_sibling_dir(dir, "tmp"));  // removed if anything below fails
-  const fs::path& tmp = building.path();
-  save_safetensors((tmp / "model.safetensors").string(), model.parameters().named(),
-                   {{"format", "depthkit"}, {"step", std::to_string(st.step)}});
-  save_safetensors((tmp / "optimizer.safetensors").string(), optimizer);
+  const NamedTensors weights = model.parameters().named();
+  write_checkpoint_dir(dir, TensorStream::of(weights), TensorStream::of(optimizer), st, true);
+}
+
+void write_checkpoint_dir(const fs::path& dir, const TensorStream& model, const TensorStream& optimizer,
+                          const TrainerState& st, bool writer) {
+  const std::map<std::string, std::string> metadata = {{"format", "depthkit"}, {"step", std::to_string(st.step)}};
+  if (!writer) {  // the producers only: they may be collectives rank 0 waits on
+    save_safetensors("", model, false);
+    save_safetensors("", optimizer, false);
+    return;
+  }
+  std::optional<TemporaryDirectory> building;  // removed if anything below fails
+  std::exception_ptr error;
+  try {
+    building.emplace(make_sibling_dir(dir, "tmp"));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error) {  // the other ranks still send their shards: take them, then say why
+    save_safetensors("", model, false);
+    save_safetensors("", optimizer, false);
+    std::rethrow_exception(error);
+  }
+  const fs::path& tmp = building->path();
+  save_safetensors((tmp / "model.safetensors").string(), model, true, metadata);
+  save_safetensors((tmp / "optimizer.safetensors").string(), optimizer, true);
   nlohmann::json j = {{"step", st.step},
                       {"tokens_seen", st.tokens_seen},
                       {"data", {{"epoch", st.data.epoch}, {"index", st.data.index}}},
@@ -68,7 +90,7 @@ void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const N
   write_file_atomic(tmp / "state.json", j.dump(2) + "\n");
   fsync_path(tmp);
   replace_directory(tmp, dir, is_checkpoint_file);  // the previous folder stays whole until the new one is in place
-  building.release();
+  building->release();
 }
 
 bool is_checkpoint_file(const std::string& name) {
@@ -77,10 +99,17 @@ bool is_checkpoint_file(const std::string& name) {
 
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
                          const TrainerState& st, int64_t keep) {
+  const NamedTensors weights = model.parameters().named();
+  return save_checkpoint(run_dir, TensorStream::of(weights), TensorStream::of(optimizer), st, keep, true);
+}
+
+fs::path save_checkpoint(const fs::path& run_dir, const TensorStream& model, const TensorStream& optimizer,
+                         const TrainerState& st, int64_t keep, bool writer) {
   const fs::path root = run_dir / "checkpoints";
   const std::string name = checkpoint_name(st.step);
   const fs::path final_dir = root / name;
-  write_checkpoint_dir(final_dir, model, optimizer, st);
+  write_checkpoint_dir(final_dir, model, optimizer, st, writer);
+  if (!writer) return final_dir;
   write_file_atomic(root / "latest", name + "\n");
   // Keep the `keep` checkpoints of highest step number; the one `latest` names is never removed.
   std::vector<std::pair<int64_t, fs::path>> all;
@@ -203,7 +232,7 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
   c.dir = dir;
   c.state = load_trainer_state(dir);
   c.model = load_safetensors((dir / "model.safetensors").string());
-  if (load_optimizer) c.optimizer = load_safetensors((dir / "optimizer.safetensors").string());
+  if (load_optimizer) c.optimizer.emplace((dir / "optimizer.safetensors").string());
   return c;
 }
 

@@ -32,14 +32,20 @@ struct TrainerState {
   std::string config_toml;
 };
 
-// `optimizer` is AdamW::state(): the full state, whichever ranks held it, so that a checkpoint
-// does not depend on the number of ranks that wrote it.
+// `optimizer` is the full state (AdamW::state, or its state_stream), whichever ranks held it, so
+// that a checkpoint does not depend on the layout of the job that wrote it. In a job of many ranks
+// every rank calls the stream form (its producers may be collectives); rank 0, the `writer`,
+// writes the files and prunes old checkpoints.
 fs::path save_checkpoint(const fs::path& run_dir, const Transformer& model, const NamedTensors& optimizer,
                          const TrainerState& state, int64_t keep);
+fs::path save_checkpoint(const fs::path& run_dir, const TensorStream& model, const TensorStream& optimizer,
+                         const TrainerState& state, int64_t keep, bool writer);
 // Writes one checkpoint folder `dir` atomically (built in a fresh "dir.tmp-XXXXXX", then renamed
 // into place; an existing `dir` is replaced only once the new one is whole).
 void write_checkpoint_dir(const fs::path& dir, const Transformer& model, const NamedTensors& optimizer,
                           const TrainerState& state);
+void write_checkpoint_dir(const fs::path& dir, const TensorStream& model, const TensorStream& optimizer,
+                          const TrainerState& state, bool writer);
 // Whether `name` is one of the files a checkpoint folder holds (what init --force may replace).
 bool is_checkpoint_file(const std::string& name);
 // The step of a checkpoint folder's name "step_NNNNNNNN"; nullopt for any other name.
@@ -58,7 +64,7 @@ struct Checkpoint {
   fs::path dir;
   TrainerState state;
   SafetensorsFile model;
-  SafetensorsFile optimizer;  // empty unless load_optimizer
+  std::optional<SafetensorsReader> optimizer;  // header read and checked, when load_optimizer
 };
 Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer);
 // A checkpoint's state.json alone (checked as load_checkpoint checks it), without its tensors.

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "depthkit/dist/world.h"
 #include "depthkit/nn/parameters.h"
 #include "depthkit/util/error.h"
 
@@ -75,19 +77,24 @@ AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<Param
 
 int64_t AdamW::state_bytes() const { return 2 * exp_avg_.numel() * int64_t(exp_avg_.element_size()); }
 
-void AdamW::step(double lr) {
+at::Tensor AdamW::gradient_of(const Slice& s, const at::Tensor& shard_gradient) const {
+  if (shard_gradient.defined()) return shard_gradient.narrow(0, s.flat, s.length);
+  const at::Tensor& g = params_.all()[s.param].tensor.grad();
+  return g.defined() ? g.reshape(-1).narrow(0, s.offset, s.length) : at::Tensor();
+}
+
+void AdamW::step(double lr, const at::Tensor& shard_gradient) {
   at::NoGradGuard no_grad;
   ++step_;
-  if (cfg_.impl == "fused") return fused_step(lr);
+  if (cfg_.impl == "fused") return fused_step(lr, shard_gradient);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(step_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, double(step_));
   const auto& ps = params_.all();
   for (const Slice& s : slices_) {
     const at::Tensor& whole = ps[s.param].tensor;
-    const at::Tensor& g = whole.grad();
-    if (!g.defined()) continue;
+    const at::Tensor grad = gradient_of(s, shard_gradient);
+    if (!grad.defined()) continue;
     at::Tensor p = whole.view(-1).narrow(0, s.offset, s.length);
-    const at::Tensor grad = g.reshape(-1).narrow(0, s.offset, s.length);
     at::Tensor m = exp_avg_.narrow(0, s.flat, s.length), v = exp_avg_sq_.narrow(0, s.flat, s.length);
     if (ps[s.param].decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
     m.lerp_(grad, 1.0 - cfg_.beta1);
@@ -97,7 +104,7 @@ void AdamW::step(double lr) {
   }
 }
 
-void AdamW::fused_step(double lr) {
+void AdamW::fused_step(double lr, const at::Tensor& shard_gradient) {
   // The slices of the parameters with and without weight decay, each group one call of ATen's
   // fused kernel: the same update as step()'s loop, in one pass over each tensor instead of five.
   struct Group {
@@ -106,11 +113,11 @@ void AdamW::fused_step(double lr) {
   const auto& ps = params_.all();
   for (const Slice& s : slices_) {
     const at::Tensor& whole = ps[s.param].tensor;
-    const at::Tensor& g = whole.grad();
-    if (!g.defined()) continue;
+    const at::Tensor grad = gradient_of(s, shard_gradient);
+    if (!grad.defined()) continue;
     Group& group = groups[ps[s.param].decay && cfg_.weight_decay > 0 ? 1 : 0];
     group.params.push_back(whole.view(-1).narrow(0, s.offset, s.length));
-    group.grads.push_back(g.reshape(-1).narrow(0, s.offset, s.length));
+    group.grads.push_back(grad);
     group.exp_avg.push_back(exp_avg_.narrow(0, s.flat, s.length));
     group.exp_avg_sq.push_back(exp_avg_sq_.narrow(0, s.flat, s.length));
   }
@@ -140,6 +147,34 @@ void AdamW::set_parameters(const at::Tensor& all) const {
     const int64_t n = p.tensor.numel();
     p.tensor.view(-1).copy_(all.narrow(0, start, n));
     start += n;
+  }
+}
+
+void AdamW::set_parameter_elements(int64_t begin, const at::Tensor& values) const {
+  at::NoGradGuard no_grad;
+  const int64_t end = begin + values.numel();
+  int64_t start = 0;
+  for (const auto& p : params_.all()) {
+    const int64_t n = p.tensor.numel();
+    const int64_t lo = std::max(start, begin), hi = std::min(start + n, end);
+    if (lo < hi) p.tensor.view(-1).narrow(0, lo - start, hi - lo).copy_(values.narrow(0, lo - begin, hi - lo));
+    start += n;
+  }
+}
+
+void all_gather_parameters(const AdamW& optim, World& world) {
+  constexpr int64_t kPieces = 8;
+  const ParameterShard& shard = optim.shard();
+  const at::Tensor mine = optim.shard_of_parameters();
+  const int64_t piece = (shard.chunk + kPieces - 1) / kPieces;
+  for (int64_t lo = 0; lo < shard.chunk; lo += piece) {
+    const int64_t len = std::min(piece, shard.chunk - lo);
+    const at::Tensor gathered = world.all_gather(mine.narrow(0, lo, len));  // [ranks · len]
+    for (size_t r = 0; r + 1 < shard.bounds.size(); ++r) {
+      const int64_t share = shard.bounds[r + 1] - shard.bounds[r];
+      const int64_t n = std::clamp<int64_t>(share - lo, 0, len);  // past the share: padding
+      if (n > 0) optim.set_parameter_elements(shard.bounds[r] + lo, gathered.narrow(0, int64_t(r) * len, n));
+    }
   }
 }
 
@@ -188,6 +223,66 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const s
   step_ = get("step", at::scalar_tensor(0, at::kLong)).item<int64_t>();
 }
 
+TensorStream AdamW::state_stream(World& world) const {
+  TensorStream out;
+  const auto& ps = params_.all();
+  for (const char* moment : {"exp_avg.", "exp_avg_sq."})
+    for (const auto& p : ps) out.specs.push_back({moment + p.name, exp_avg_.scalar_type(), p.tensor.sizes().vec()});
+  out.specs.push_back({"step", at::kLong, {}});
+  out.produce = [this, &world](const TensorStream::Sink& sink) {
+    const int64_t piece = (int64_t(16) << 20) / int64_t(exp_avg_.element_size());
+    const bool whole = shard_.begin == 0 && shard_.end == total_;  // one rank, or unsharded on each
+    for (const at::Tensor* moment : {&exp_avg_, &exp_avg_sq_}) {
+      if (whole) {
+        if (world.root()) sink(moment->narrow(0, 0, total_));
+        continue;
+      }
+      for (int64_t r = 0; r + 1 < int64_t(shard_.bounds.size()); ++r) {
+        const int64_t share = shard_.bounds[size_t(r) + 1] - shard_.bounds[size_t(r)];
+        for (int64_t lo = 0; lo < share; lo += piece) {
+          const int64_t n = std::min(piece, share - lo);
+          if (r == world.rank() && world.root()) {
+            sink(moment->narrow(0, lo, n));
+          } else if (r == world.rank()) {
+            world.send(moment->narrow(0, lo, n), 0);
+          } else if (world.root()) {
+            at::Tensor received = at::empty({n}, moment->options());
+            world.recv(received, r);
+            sink(received);
+          }
+        }
+      }
+    }
+    if (world.root()) sink(at::scalar_tensor(step_, at::kLong));
+  };
+  return out;
+}
+
+void AdamW::load_state(const SafetensorsReader& file) {
+  const auto& ps = params_.all();
+  const std::string& source = file.path();
+  auto check = [&](const std::string& name, at::IntArrayRef shape, at::ScalarType dtype) {
+    const std::optional<TensorSpec> spec = file.spec(name);
+    if (!spec) fail(source, ": missing optimizer tensor '", name, "'");
+    if (at::IntArrayRef(spec->shape) != shape || spec->dtype != dtype)
+      fail(source, ": optimizer tensor '", name, "' has shape ", at::IntArrayRef(spec->shape), ", expected ", shape);
+  };
+  if (file.tensors().size() != 2 * ps.size() + 1)
+    fail(source, ": holds ", file.tensors().size(), " optimizer tensors, this model needs ", 2 * ps.size() + 1);
+  for (const auto& p : ps) {  // every tensor is checked, whichever shard this rank takes
+    check("exp_avg." + p.name, p.tensor.sizes(), exp_avg_.scalar_type());
+    check("exp_avg_sq." + p.name, p.tensor.sizes(), exp_avg_.scalar_type());
+  }
+  check("step", {}, at::kLong);
+  at::NoGradGuard no_grad;
+  for (const Slice& s : slices_) {
+    const std::string& name = ps[s.param].name;
+    exp_avg_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg." + name, s.offset, s.length));
+    exp_avg_sq_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg_sq." + name, s.offset, s.length));
+  }
+  step_ = file.read("step").item<int64_t>();
+}
+
 double clip_grad_norm(ParameterStore& params, double max_norm) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> norms;
@@ -200,6 +295,20 @@ double clip_grad_norm(ParameterStore& params, double max_norm) {
     if (coef < 1.0)
       for (const auto& p : params.all())
         if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(coef);
+  }
+  return total;
+}
+
+double clip_shard_gradient(at::Tensor& shard_gradient, double max_norm, World& world) {
+  at::NoGradGuard no_grad;
+  at::Tensor squares = at::empty({1}, at::kDouble);
+  const double norm = shard_gradient.norm().item<double>();
+  squares.data_ptr<double>()[0] = norm * norm;
+  world.all_reduce_sum(squares);
+  const double total = std::sqrt(squares.data_ptr<double>()[0]);
+  if (max_norm > 0 && std::isfinite(total)) {
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1.0) shard_gradient.mul_(coef);
   }
   return total;
 }

@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "depthkit/config/config.h"
+#include "depthkit/io/safetensors.h"
 
 namespace depthkit {
 
 class ParameterStore;
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+class World;
 
 // The elements [begin, end) of the concatenated parameters that rank `rank` of `ranks` owns:
 // about ⌈total / ranks⌉ each, each boundary moved back to a multiple of 64 elements from the start
@@ -45,7 +45,9 @@ class AdamW {
   static std::vector<int64_t> sizes(const ParameterStore& params);
   // State and updates for the elements of `shard` (default: every element).
   AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard = std::nullopt);
-  void step(double lr);
+  // Updates the shard's elements from the parameters' gradients, or from `shard_gradient`, the
+  // shard's gradient laid flat [chunk] (ZeRO-2: train/sharded_gradients.h).
+  void step(double lr, const at::Tensor& shard_gradient = {});
   int64_t steps() const { return step_; }
   const ParameterShard& shard() const { return shard_; }
   int64_t total_elements() const { return total_; }
@@ -56,6 +58,8 @@ class AdamW {
   // (the all-gathered shards, unpadded): the parameters after the ZeRO-1 all-gather.
   at::Tensor shard_of_parameters() const;
   void set_parameters(const at::Tensor& all) const;
+  // Elements [begin, begin + values.numel()) of the concatenated parameters set from `values`.
+  void set_parameter_elements(int64_t begin, const at::Tensor& values) const;
   // The shard's moments, flat [chunk] each.
   const at::Tensor& exp_avg() const { return exp_avg_; }
   const at::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
@@ -64,8 +68,15 @@ class AdamW {
   // every element: this optimizer's own (one rank), or every rank's, all-gathered and unpadded.
   NamedTensors state() const;
   NamedTensors state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const;
+  // The same state as a stream for the checkpoint (io/safetensors.h): every exp_avg, then every
+  // exp_avg_sq, in registration order, then step. Sharded, each rank's share is sent to rank 0
+  // in pieces of at most 16 MiB, rank after rank, in the file's order: no rank ever holds more
+  // than its shard and one piece. Every rank of `world` runs the producer.
+  TensorStream state_stream(World& world) const;
   // Takes the shard's elements from a checkpoint's full state.
   void load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
+  // The same from the file, reading the shard's elements only.
+  void load_state(const SafetensorsReader& file);
 
  private:
   // A parameter's part of the shard: elements [offset, offset + length) of parameter `param`, at
@@ -74,7 +85,10 @@ class AdamW {
     size_t param;
     int64_t offset, length, flat;
   };
-  void fused_step(double lr);  // optim.impl = "fused"
+  void fused_step(double lr, const at::Tensor& shard_gradient);  // optim.impl = "fused"
+  // Slice s's gradient, flat: from shard_gradient when given, else from its parameter's .grad
+  // (undefined when the parameter has none).
+  at::Tensor gradient_of(const Slice& s, const at::Tensor& shard_gradient) const;
   ParameterStore& params_;
   OptimConfig cfg_;
   ParameterShard shard_;
@@ -84,8 +98,15 @@ class AdamW {
   at::Tensor exp_avg_, exp_avg_sq_;
 };
 
+// ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank,
+// all-gathered in eight pieces so that the gathered copy is an eighth of the model at a time.
+void all_gather_parameters(const AdamW& optim, World& world);
+
 // Scales gradients so their global L2 norm is at most max_norm (max_norm 0: no clipping).
 // Returns the norm before clipping.
 double clip_grad_norm(ParameterStore& params, double max_norm);
+// The same for a gradient sharded over the ranks of `world` (ZeRO-2): the norm of every rank's
+// shard together, each shard scaled alike. A collective: every rank calls it.
+double clip_shard_gradient(at::Tensor& shard_gradient, double max_norm, World& world);
 
 }  // namespace depthkit

@@ -21,6 +21,7 @@
 #include "depthkit/train/metrics_log.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/train/schedule.h"
+#include "depthkit/train/sharded_gradients.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
@@ -243,13 +244,14 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
     reset_device_peak(device);
     start.model.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat,
                         compute_dtype_of(cfg.train));
+    start.model->set_recompute(cfg.train.recompute);
     const std::vector<int64_t> sizes = AdamW::sizes(start.model->parameters());
     start.optim.emplace(start.model->parameters(), cfg.optim,
                         ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
     start.st.seed = cfg.train.seed;
     if (ckpt) {
       start.model->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
-      start.optim->load_state(ckpt->optimizer.tensors, (ckpt->dir / "optimizer.safetensors").string());
+      start.optim->load_state(*ckpt->optimizer);  // this rank's shard of it only
       start.st = ckpt->state;
       restore_rng_state(start.st.rng_state, (ckpt->dir / "state.json").string());
     }
@@ -294,7 +296,6 @@ class StepLoop {
 
   // ---- Evaluation and checkpoints ----
   double evaluate_and_log(int64_t step);
-  NamedTensors optimizer_state();
   void checkpoint();
   TrainResult finish(TrainResult result, Progress& bar, std::chrono::steady_clock::time_point t0, double step_seconds);
   void write_summary(const TrainResult& result, std::chrono::steady_clock::time_point t0, double step_seconds);
@@ -310,8 +311,9 @@ class StepLoop {
   const int64_t memory_base_;
   const bool root_;
   const int64_t ranks_, total_, global_batch_;
-  const std::unique_ptr<GradientReducer> reducer_;
-  const bool sharded_;  // ZeRO-1 across ranks
+  const std::unique_ptr<GradientReducer> reducer_;  // data parallel up to ZeRO-1; null under ZeRO-2
+  const std::unique_ptr<ShardedGradients> sharded_gradients_;  // ZeRO-2
+  const bool sharded_;  // ZeRO-1 or -2 across ranks: the parameters all-gathered after each step
   BatchLoader loader_;
   LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
   std::optional<MetricsLog> metrics_;  // rank 0's
@@ -321,6 +323,14 @@ std::vector<at::Tensor> tensors_of(const ParameterStore& params) {
   std::vector<at::Tensor> tensors;
   for (const auto& p : params.all()) tensors.push_back(p.tensor);
   return tensors;
+}
+
+// ZeRO-2's buckets: an eighth of the gradients, between 64 KiB and 25 MiB (DDP's default bucket):
+// small models still free their gradients progressively, large ones send DDP-sized messages.
+int64_t gradient_bucket_bytes(const ParameterStore& params) {
+  int64_t bytes = 0;
+  for (const auto& p : params.all()) bytes += p.tensor.nbytes();
+  return std::clamp<int64_t>(bytes / 8, int64_t(64) << 10, int64_t(25) << 20);
 }
 
 StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inputs, RunDirectory& run,
@@ -338,7 +348,10 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
       ranks_(world.size()),
       total_(total),
       global_batch_(ranks_ * cfg_.train.grad_accum * cfg_.train.micro_batch),
-      reducer_(world.gradient_reducer(tensors_of(model_.parameters()))),
+      reducer_(cfg_.train.zero >= 2 ? nullptr : world.gradient_reducer(tensors_of(model_.parameters()))),
+      sharded_gradients_(cfg_.train.zero >= 2 ? std::make_unique<ShardedGradients>(model_.parameters(), optim_.shard(), world,
+                                                                                   gradient_bucket_bytes(model_.parameters()))
+                                              : nullptr),
       sharded_(cfg_.train.zero && ranks_ > 1),
       loader_(inputs.train_data, cfg_.train.micro_batch, cfg_.model.seq_len,
               uint64_t(cfg_.train.data_seed >= 0 ? cfg_.train.data_seed : cfg_.train.seed), st_.data) {
@@ -354,9 +367,12 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
                  ranks_ > 1 ? cat(" on ", ranks_, " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
                  run_.checkpoint ? cat(", resuming at step ", st_.step).c_str() : "");
     if (cfg_.train.zero)
-      std::fprintf(stderr, "ZeRO-1: AdamW state of %lld of %lld parameters per rank, %lld bytes\n",
-                   (long long)(optim_.shard().end - optim_.shard().begin), (long long)optim_.total_elements(),
-                   (long long)optim_.state_bytes());
+      std::fprintf(stderr, "ZeRO-%lld: AdamW state of %lld of %lld parameters per rank, %lld bytes%s\n",
+                   (long long)cfg_.train.zero, (long long)(optim_.shard().end - optim_.shard().begin),
+                   (long long)optim_.total_elements(), (long long)optim_.state_bytes(),
+                   sharded_gradients_ ? cat("; gradients ", sharded_gradients_->shard_bytes(), " bytes, buckets of up to ",
+                                            sharded_gradients_->bucket_bytes()).c_str()
+                                      : "");
   }
 }
 
@@ -409,6 +425,7 @@ StepLoop::Step StepLoop::step() {
   Step s;
   s.lr = learning_rate(cfg_.optim, st_.step, total_);
   model_.parameters().zero_grad();
+  if (sharded_gradients_) sharded_gradients_->begin_step();
   double loss_sum = 0;
   s.logged = (st_.step + 1) % cfg_.train.log_every == 0 || st_.step + 1 == total_;
   // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
@@ -420,15 +437,17 @@ StepLoop::Step StepLoop::step() {
   for (int64_t m = 0; m < accum; ++m) {
     // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
     const at::Tensor batch = loader_.next(world_.rank(), ranks_).to(inputs_.device);
-    reducer_->begin_micro_step(m == accum - 1);
+    if (reducer_) reducer_->begin_micro_step(m == accum - 1);
     at::Tensor loss = model_.loss(batch) / double(accum);
-    reducer_->before_backward();
+    if (reducer_) reducer_->before_backward();
     try {
       loss.backward();
+      if (sharded_gradients_) sharded_gradients_->finish_micro_step();
     } catch (const std::exception& e) {
-      // The last micro-step's backward also averages the gradients across ranks: a failure
-      // there that is not this rank's own (an allocation) is the collective's.
-      if (ranks_ > 1 && m == accum - 1 && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
+      // The last micro-step's backward also averages the gradients across ranks (every
+      // micro-step's, under ZeRO-2): a failure there that is not this rank's own (an
+      // allocation) is the collective's.
+      if (ranks_ > 1 && (m == accum - 1 || sharded_gradients_) && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
         throw CollectiveError(one_line(e));
       throw;
     }
@@ -451,15 +470,21 @@ StepLoop::Step StepLoop::step() {
   s.loss = shared.data_ptr<double>()[0] / double(ranks_);
   for (size_t i = 0; i < moe_sum.size(); ++i) moe_sum[i] = shared.data_ptr<double>()[2 + i] / double(ranks_);
   s.signalled = shared.data_ptr<double>()[1] > 0;
-  s.grad_norm = clip_grad_norm(model_.parameters(), cfg_.optim.grad_clip);
+  at::Tensor shard_gradient;
+  if (sharded_gradients_) {  // the mean over ranks, as the data-parallel reducer gives it
+    shard_gradient = sharded_gradients_->gradient().div_(double(ranks_));
+    s.grad_norm = clip_shard_gradient(shard_gradient, cfg_.optim.grad_clip, world_);
+  } else {
+    s.grad_norm = clip_grad_norm(model_.parameters(), cfg_.optim.grad_clip);
+  }
   if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
     run_.diverged = true;
     auto last = find_checkpoint(run_.dir);
     fail("non-finite ", std::isfinite(s.loss) ? "gradient norm" : "loss", " at step ", st_.step + 1, " (loss ", s.loss,
          ", grad norm ", s.grad_norm, "); stopping. Last good checkpoint: ", last ? last->string() : "none");
   }
-  optim_.step(s.lr);
-  if (sharded_) optim_.set_parameters(optim_.shard().unpad(world_.all_gather(optim_.shard_of_parameters())));  // ZeRO-1
+  optim_.step(s.lr, shard_gradient);
+  if (sharded_) all_gather_parameters(optim_, world_);  // ZeRO-1 and -2
   return s;
 }
 
@@ -491,20 +516,15 @@ double StepLoop::evaluate_and_log(int64_t step) {
   return v;
 }
 
-// The optimizer's full state for a checkpoint: gathered from every rank's shard under ZeRO-1.
-NamedTensors StepLoop::optimizer_state() {
-  if (!sharded_) return optim_.state();
-  const ParameterShard& shard = optim_.shard();
-  return optim_.state(shard.unpad(world_.all_gather(optim_.exp_avg())), shard.unpad(world_.all_gather(optim_.exp_avg_sq())));
-}
-
 void StepLoop::checkpoint() {
   st_.data = loader_.position();
   st_.rng_state = capture_rng_state();
   st_.config_toml = cfg_.to_toml();
   st_.global_batch = global_batch_;
-  const NamedTensors optimizer = optimizer_state();  // collective: every rank takes part
-  if (root_) save_checkpoint(run_.dir, model_, optimizer, st_, cfg_.train.keep_checkpoints);
+  // Every rank takes part (the optimizer's shards travel to rank 0); rank 0 writes.
+  const NamedTensors weights = model_.parameters().named();
+  save_checkpoint(run_.dir, TensorStream::of(weights), optim_.state_stream(world_), st_, cfg_.train.keep_checkpoints,
+                  root_);
   run_.saved = true;
 }
 
@@ -543,7 +563,10 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
                             {"world_size", ranks_},
                             {"global_batch", global_batch_},
                             {"zero", cfg_.train.zero},
-                            {"optimizer_state_bytes_per_rank", optim_.state_bytes()}};
+                            {"optimizer_state_bytes_per_rank", optim_.state_bytes()},
+                            {"gradient_bytes_per_rank", sharded_gradients_ ? sharded_gradients_->shard_bytes()
+                                                                           : optim_.total_elements() * int64_t(sizeof(float))},
+                            {"recompute", cfg_.train.recompute}};
   if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
     summary["tokens_per_s"] = tokens_here / step_seconds;
     summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base_;  // CPU tensors

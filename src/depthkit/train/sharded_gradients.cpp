@@ -1,0 +1,126 @@
+#include "depthkit/train/sharded_gradients.h"
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+
+#include "depthkit/dist/world.h"
+#include "depthkit/nn/parameters.h"
+#include "depthkit/util/error.h"
+
+namespace depthkit {
+
+namespace {
+
+// How many reductions may be in flight before the hook waits for the oldest: bounds the
+// buckets alive at once (and so the memory) while letting communication overlap backward.
+constexpr size_t kMaxInFlight = 2;
+
+class GradientReady final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  GradientReady(ShardedGradients* owner, size_t param) : owner_(owner), param_(param) {}
+  void operator()(const torch::autograd::Variable&) override { owner_->on_gradient(param_); }
+
+ private:
+  ShardedGradients* owner_;
+  size_t param_;
+};
+
+}  // namespace
+
+ShardedGradients::ShardedGradients(ParameterStore& params, const ParameterShard& shard, World& world,
+                                   int64_t bucket_bytes)
+    : params_(params), shard_(shard), world_(world) {
+  const auto& ps = params_.all();
+  int64_t start = 0;
+  for (const auto& p : ps) {
+    offset_of_.push_back(start);
+    start += p.tensor.numel();
+  }
+  bucket_of_.resize(ps.size());
+  // Whole parameters, last first, each bucket closed once it holds bucket_bytes.
+  for (size_t i = ps.size(); i-- > 0;) {
+    const int64_t end = offset_of_[i] + ps[i].tensor.numel();
+    if (buckets_.empty() || (buckets_.back().end - buckets_.back().begin) * int64_t(sizeof(float)) >= bucket_bytes)
+      buckets_.push_back({i + 1, i + 1, end, end});
+    Bucket& b = buckets_.back();
+    b.first_param = i;
+    b.begin = offset_of_[i];
+    bucket_of_[i] = buckets_.size() - 1;
+  }
+  for (const Bucket& b : buckets_)
+    largest_bucket_bytes_ = std::max(largest_bucket_bytes_, (b.end - b.begin) * int64_t(sizeof(float)));
+  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front().tensor.options();
+  gradient_ = at::zeros({shard_.chunk}, options.requires_grad(false));
+  for (size_t i = 0; i < ps.size(); ++i)
+    torch::autograd::impl::set_post_acc_grad_hooks(ps[i].tensor, std::make_unique<GradientReady>(this, i));
+}
+
+ShardedGradients::~ShardedGradients() {
+  for (const auto& p : params_.all()) torch::autograd::impl::post_acc_grad_hooks(p.tensor).reset();
+  for (InFlight& f : in_flight_) try {
+      f.work->wait();
+    } catch (...) {  // a failed job: its error is being reported already
+    }
+}
+
+void ShardedGradients::begin_step() { gradient_.zero_(); }
+
+void ShardedGradients::on_gradient(size_t param) {
+  at::NoGradGuard no_grad;
+  const at::Tensor& tensor = params_.all()[param].tensor;
+  Bucket& b = buckets_[bucket_of_[param]];
+  if (!b.buffer.defined()) b.buffer = at::zeros({b.end - b.begin}, gradient_.options());
+  at::Tensor grad = tensor.grad();
+  b.buffer.narrow(0, offset_of_[param] - b.begin, tensor.numel()).copy_(grad.reshape(-1));
+  tensor.mutable_grad().reset();  // the full gradient is let go at once: only the bucket holds it
+  if (++b.arrived == int64_t(b.end_param - b.first_param)) launch_ready();
+}
+
+void ShardedGradients::launch_ready() {
+  while (next_launch_ < buckets_.size()) {
+    Bucket& b = buckets_[next_launch_];
+    if (b.arrived != int64_t(b.end_param - b.first_param)) return;
+    launch(b);
+  }
+}
+
+void ShardedGradients::launch(Bucket& b) {
+  if (!b.buffer.defined()) b.buffer = at::zeros({b.end - b.begin}, gradient_.options());
+  // Rank r's piece: the bucket's elements that r's shard holds (possibly none).
+  std::vector<at::Tensor> pieces;
+  const int64_t ranks = int64_t(shard_.bounds.size()) - 1;
+  int64_t mine_begin = 0;
+  for (int64_t r = 0; r < ranks; ++r) {
+    const int64_t lo = std::clamp(shard_.bounds[size_t(r)], b.begin, b.end);
+    const int64_t hi = std::clamp(shard_.bounds[size_t(r) + 1], b.begin, b.end);
+    pieces.push_back(b.buffer.narrow(0, lo - b.begin, hi - lo));
+    if (r == world_.rank()) mine_begin = lo;
+  }
+  at::Tensor received = at::empty({pieces[size_t(world_.rank())].numel()}, gradient_.options());
+  while (in_flight_.size() >= kMaxInFlight) complete_oldest();
+  in_flight_.push_back({world_.reduce_scatter(pieces, received), b.buffer, received, mine_begin - shard_.begin});
+  b.buffer = at::Tensor();
+  b.arrived = 0;
+  ++next_launch_;
+}
+
+void ShardedGradients::complete_oldest() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.erase(in_flight_.begin());
+  f.work->wait();
+  if (f.received.numel() > 0) gradient_.narrow(0, f.offset, f.received.numel()).add_(f.received);
+}
+
+void ShardedGradients::finish_micro_step() {
+  at::NoGradGuard no_grad;
+  while (next_launch_ < buckets_.size()) launch(buckets_[next_launch_]);
+  while (!in_flight_.empty()) complete_oldest();
+  next_launch_ = 0;
+}
+
+}  // namespace depthkit

@@ -1,0 +1,73 @@
+// ZeRO stage 2 (Rajbhandari et al.; docs/training.md, "Sharded state"): each rank keeps the
+// gradient of its own shard of the parameters (ParameterShard, as ZeRO-1's optimizer state) and
+// no other. As backward produces a parameter's gradient, a hook copies it into a bucket and frees
+// it; a full bucket is reduce-scattered over the ranks at once (each rank receives the sum of the
+// part it owns) and let go. Peak gradient memory per rank is its shard plus the buckets in
+// flight, not the model's size. Every micro-step communicates (as DeepSpeed's stage 2), so
+// accumulation adds into the shard.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "depthkit/train/optimizer.h"
+
+namespace depthkit {
+
+class ParameterStore;
+class World;
+class PendingCollective;
+
+class ShardedGradients {
+ public:
+  // Buckets hold whole parameters in reverse registration order (the order backward produces
+  // them), about `bucket_bytes` each. Installs a post-accumulation hook on every parameter.
+  ShardedGradients(ParameterStore& params, const ParameterShard& shard, World& world, int64_t bucket_bytes);
+  ~ShardedGradients();
+  ShardedGradients(const ShardedGradients&) = delete;
+  ShardedGradients& operator=(const ShardedGradients&) = delete;
+
+  // Before an optimizer step's first micro-step: the shard's gradient set to zero.
+  void begin_step();
+  // After each micro-step's backward: the buckets not yet sent (a parameter that received no
+  // gradient counts as zero) sent in order, and every reduction waited for and added in.
+  void finish_micro_step();
+  // The shard's gradient, flat [chunk] (zero past the share): the sum over ranks and micro-steps.
+  at::Tensor& gradient() { return gradient_; }
+  // Bytes of the gradient shard, and of the largest bucket.
+  int64_t shard_bytes() const { return gradient_.nbytes(); }
+  int64_t bucket_bytes() const { return largest_bucket_bytes_; }
+
+  // Called by a parameter's hook once its gradient of this backward is accumulated.
+  void on_gradient(size_t param);
+
+ private:
+  struct Bucket {
+    size_t first_param, end_param;  // registration indices [first, end)
+    int64_t begin, end;             // elements of the concatenation
+    int64_t arrived = 0;            // parameters whose gradient is in `buffer`
+    at::Tensor buffer;              // [end − begin], while filling or in flight
+  };
+  struct InFlight {
+    std::unique_ptr<PendingCollective> work;
+    at::Tensor buffer, received;  // kept alive until the work completes
+    int64_t offset;               // of `received` in the shard
+  };
+  void launch_ready();
+  void launch(Bucket& b);
+  void complete_oldest();
+
+  ParameterStore& params_;
+  ParameterShard shard_;
+  World& world_;
+  std::vector<Bucket> buckets_;         // in launch order (the last parameters first)
+  std::vector<size_t> bucket_of_;       // parameter → bucket
+  std::vector<int64_t> offset_of_;      // parameter → its first element in the concatenation
+  size_t next_launch_ = 0;              // buckets launch in order, on every rank alike
+  std::vector<InFlight> in_flight_;
+  at::Tensor gradient_;
+  int64_t largest_bucket_bytes_ = 0;
+};
+
+}  // namespace depthkit

@@ -1,0 +1,45 @@
+"""compare_runs.py A B [--exact] [--steps N] [--limit X]: two training runs' per-step losses
+(metrics.jsonl) within X relative (default 1e-5) and their final parameters (the checkpoint of
+step N, default 20) within X of max(1, |p|); or identical with --exact. Prints the largest
+differences; exits 1 when a limit is passed."""
+import argparse
+import json
+import struct
+import sys
+
+import numpy as np
+
+
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    out = {}
+    for name, e in json.loads(raw[8:8 + n]).items():
+        if name != "__metadata__":
+            s, t = e["data_offsets"]
+            out[name] = np.frombuffer(raw[8 + n + s:8 + n + t], dtype={"F32": np.float32, "I64": np.int64}[e["dtype"]])
+    return out
+
+
+def losses(run):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{run}/metrics.jsonl")) if "loss" in j}
+
+
+parser = argparse.ArgumentParser()
+parser.add_argument("a")
+parser.add_argument("b")
+parser.add_argument("--exact", action="store_true")
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--limit", type=float, default=1e-5)
+args = parser.parse_args()
+la, lb = losses(args.a), losses(args.b)
+assert la.keys() == lb.keys() and len(la) == args.steps, f"steps {sorted(la)} vs {sorted(lb)}"
+worst_loss = max(abs(la[s] - lb[s]) / abs(lb[s]) for s in la)
+checkpoint = f"checkpoints/step_{args.steps:08d}/model.safetensors"
+ta, tb = tensors(f"{args.a}/{checkpoint}"), tensors(f"{args.b}/{checkpoint}")
+assert ta.keys() == tb.keys()
+worst_param = max(float(np.max(np.abs(ta[k].astype(np.float64) - tb[k]) / max(1.0, float(np.abs(tb[k]).max()))))
+                  for k in ta)
+print(f"{args.a} vs {args.b}: losses {worst_loss:.2e}, parameters {worst_param:.2e} (largest relative difference)")
+limit = 0 if args.exact else args.limit
+sys.exit(0 if worst_loss <= limit and worst_param <= limit else 1)
