@@ -2,8 +2,8 @@
 # Paper-scale state on CPU ranks (docs/training.md, "Sharded state", "Recomputation",
 # "Checkpoints across layouts"), each layout against one rank with the same global batch (8
 # sequences a step):
-#   - ZeRO-2 on 1, 2 and 4 ranks: the same losses and parameters within float32 rounding (the
-#     clipping norm is summed shard by shard, then across ranks: another order); each rank keeps
+#   - ZeRO-2 on 1, 2 and 4 ranks: the same losses and parameters (bit for bit on 1 and 2 ranks,
+#     within float32 rounding on 4: the reduction order differs); each rank keeps
 #     1/W of the gradients and AdamW state, and the peak falls from 2 to 4 ranks by exactly what
 #     that arithmetic says;
 #   - train.recompute = branch: the same run bit for bit, on one rank and under ZeRO-2;
@@ -25,13 +25,20 @@ train() {  # train RUN RANKS ARGS...: 8 sequences a step over RANKS ranks (accum
     --set train.grad_accum=$((ranks == 1 ? 2 : 1)) "$@" >/dev/null 2>"$run.log" || { cat "$run.log"; fail "$run"; }
 }
 
-# Against the data-parallel run of the same layout: only the clipping norm's order differs.
+# Against data parallel with the same global batch. On 1 and 2 ranks the arithmetic is the same, bit
+# for bit (the mean of two is exact either way; the clipping norm is summed in float64, so its
+# pieces' order does not reach float32). On 4 ranks Gloo's reduce-scatter adds the four ranks'
+# gradients in another order than its all-reduce: one float32 rounding apart, which AdamW
+# amplifies where a gradient is near zero (m/√v of two tiny numbers), to a few 1e-6 after 20
+# steps: the losses are held to 1e-5, the parameters to 1e-4.
 train one 1
 train ddp_4 4
-for ranks in 1 2 4; do
-  train zero2_$ranks $ranks --set train.zero=2
-  compare zero2_$ranks "$([ $ranks = 4 ] && echo ddp_4 || echo one)" || fail "ZeRO-2 on $ranks ranks differs from data parallel"
-done
+train zero2_1 1 --set train.zero=2
+compare zero2_1 one --exact || fail "ZeRO-2 on 1 rank differs from data parallel"
+train zero2_2 2 --set train.zero=2
+compare zero2_2 one --exact || fail "ZeRO-2 on 2 ranks differs from data parallel"
+train zero2_4 4 --set train.zero=2
+compare zero2_4 ddp_4 --param-limit 1e-4 || fail "ZeRO-2 on 4 ranks differs from data parallel"
 grep -q "ZeRO-2: AdamW state of .*; gradients" zero2_2.log || fail "ZeRO-2 does not report its per-rank state"
 
 # Recomputation changes no bit.

@@ -1,6 +1,6 @@
-"""compare_runs.py A B [--exact] [--steps N] [--limit X]: two training runs' per-step losses
-(metrics.jsonl) within X relative (default 1e-5) and their final parameters (the checkpoint of
-step N, default 20) within X of max(1, |p|); or identical with --exact. Prints the largest
+"""compare_runs.py A B [--exact] [--steps N] [--limit X] [--param-limit Y]: two training runs'
+per-step losses (metrics.jsonl) within X relative (default 1e-5) and their final parameters (the
+checkpoint of step N, default 20) within Y (default X) of max(1, |p|); or identical with --exact. Prints the largest
 differences; exits 1 when a limit is passed."""
 import argparse
 import json
@@ -31,6 +31,7 @@ parser.add_argument("b")
 parser.add_argument("--exact", action="store_true")
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--limit", type=float, default=1e-5)
+parser.add_argument("--param-limit", type=float, help="the parameters' limit, when not --limit")
 args = parser.parse_args()
 la, lb = losses(args.a), losses(args.b)
 assert la.keys() == lb.keys() and len(la) == args.steps, f"steps {sorted(la)} vs {sorted(lb)}"
@@ -42,4 +43,5 @@ worst_param = max(float(np.max(np.abs(ta[k].astype(np.float64) - tb[k]) / max(1.
                   for k in ta)
 print(f"{args.a} vs {args.b}: losses {worst_loss:.2e}, parameters {worst_param:.2e} (largest relative difference)")
 limit = 0 if args.exact else args.limit
-sys.exit(0 if worst_loss <= limit and worst_param <= limit else 1)
+param_limit = 0 if args.exact else args.param_limit or args.limit
+sys.exit(0 if worst_loss <= limit and worst_param <= param_limit else 1)

@@ -7,6 +7,8 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/square.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -283,33 +285,46 @@ void AdamW::load_state(const SafetensorsReader& file) {
   step_ = file.read("step").item<int64_t>();
 }
 
+namespace {
+
+// Σ g² of one tensor: the squares rounded to float32 as the gradient is, summed in float64, so that
+// a sum taken in pieces (shard by shard, ZeRO-2) differs from it only in float64's last bits.
+// Squared 65,536 elements at a time: no copy of a whole gradient (or shard) is made.
+double sum_of_squares(const at::Tensor& g) {
+  constexpr int64_t kPiece = int64_t(1) << 16;
+  const at::Tensor flat = g.reshape(-1);
+  double sum = 0;
+  for (int64_t lo = 0; lo < flat.numel(); lo += kPiece)
+    sum += at::sum(at::square(flat.narrow(0, lo, std::min(kPiece, flat.numel() - lo))), at::kDouble).item<double>();
+  return sum;
+}
+
+// Scales by max_norm / (norm + 1e-6) when that is below 1 (torch.nn.utils.clip_grad_norm_'s rule).
+double clip_coefficient(double norm, double max_norm) {
+  return max_norm > 0 && std::isfinite(norm) ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
+}
+
+}  // namespace
+
 double clip_grad_norm(ParameterStore& params, double max_norm) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> norms;
+  double squares = 0;
   for (const auto& p : params.all())
-    if (p.tensor.grad().defined()) norms.push_back(p.tensor.grad().norm());
-  if (norms.empty()) return 0.0;
-  const double total = at::stack(norms).norm().item<double>();
-  if (max_norm > 0 && std::isfinite(total)) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0)
-      for (const auto& p : params.all())
-        if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(coef);
-  }
+    if (p.tensor.grad().defined()) squares += sum_of_squares(p.tensor.grad());
+  const double total = std::sqrt(squares);
+  if (const double coef = clip_coefficient(total, max_norm); coef < 1.0)
+    for (const auto& p : params.all())
+      if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(coef);
   return total;
 }
 
 double clip_shard_gradient(at::Tensor& shard_gradient, double max_norm, World& world) {
   at::NoGradGuard no_grad;
   at::Tensor squares = at::empty({1}, at::kDouble);
-  const double norm = shard_gradient.norm().item<double>();
-  squares.data_ptr<double>()[0] = norm * norm;
+  squares.data_ptr<double>()[0] = sum_of_squares(shard_gradient);  // zero past the share
   world.all_reduce_sum(squares);
   const double total = std::sqrt(squares.data_ptr<double>()[0]);
-  if (max_norm > 0 && std::isfinite(total)) {
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1.0) shard_gradient.mul_(coef);
-  }
+  if (const double coef = clip_coefficient(total, max_norm); coef < 1.0) shard_gradient.mul_(coef);
   return total;
 }
 
