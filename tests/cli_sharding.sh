@@ -39,7 +39,7 @@ train zero2_2 2 --set train.zero=2
 compare zero2_2 one --exact || fail "ZeRO-2 on 2 ranks differs from data parallel"
 train zero2_4 4 --set train.zero=2
 compare zero2_4 ddp_4 --param-limit 1e-4 || fail "ZeRO-2 on 4 ranks differs from data parallel"
-grep -q "ZeRO-2: AdamW state of .*; gradients" zero2_2.log || fail "ZeRO-2 does not report its per-rank state"
+grep -q "ZeRO-2: AdamW state of .*, gradients" zero2_2.log || fail "ZeRO-2 does not report its per-rank state"
 
 # Recomputation changes no bit.
 train recompute 1 --set train.recompute=branch
@@ -47,13 +47,15 @@ compare recompute one --exact || fail "train.recompute = branch changed the run"
 train recompute_zero2 2 --set train.recompute=branch --set train.zero=2
 compare recompute_zero2 zero2_2 --exact || fail "train.recompute = branch changed the ZeRO-2 run"
 
-# Per-rank memory on a model whose state outweighs its activations (1.57M parameters, one
-# sequence of 16 tokens a micro-step): gradients and AdamW state are 1/W each, and the peak of
-# 2 ranks exceeds that of 4 by 3 copies of the parameters x (1/2 - 1/4), within 1 %.
-MEM=(--config "$SRC/configs/tiny.toml" --set model.vocab_size=512 --set model.seq_len=16 --set model.d_model=256
-     --set model.d_ff=512 --set model.n_heads=4 --set model.n_kv_heads=4 --set model.n_layers=2 --set data.dir=data
+# Per-rank memory on a model whose state outweighs its activations (5.4M parameters in 32 layers,
+# none over 66k, one sequence of 16 tokens a micro-step): gradients and AdamW state are 1/W each,
+# and the peak of 2 ranks exceeds that of 4 by 3 copies of the parameters x (1/2 - 1/4), give or
+# take the buckets in flight (Gloo's worker threads hold copies of a few, freed when they are
+# done: the 64 KiB buckets, a parameter each, keep that within 10 % of the difference).
+MEM=(--config "$SRC/configs/tiny.toml" --set model.vocab_size=512 --set model.seq_len=16 --set model.d_model=128
+     --set model.d_ff=256 --set model.n_heads=4 --set model.n_kv_heads=4 --set model.n_layers=32 --set data.dir=data
      --set train.micro_batch=1 --set train.eval_tokens=256 --set train.eval_every=0 --set train.checkpoint_every=0
-     --set train.steps=2 --set train.threads=1 --set train.zero=2)
+     --set train.steps=2 --set train.threads=1 --set train.zero=2 --set train.bucket_bytes=65536)
 for ranks in 1 2 4; do
   "$DK" train "${MEM[@]}" --run-dir mem_$ranks --nproc $ranks --set train.grad_accum=$((4 / ranks)) >/dev/null 2>mem.log \
     || { cat mem.log; fail "memory run on $ranks ranks"; }
@@ -69,7 +71,9 @@ for w in (2, 4):
 drop = s[2]["peak_tensor_bytes"] - s[4]["peak_tensor_bytes"]
 want = 3 * full * (1 / 2 - 1 / 4)
 print(f"peak per rank: {[s[w]['peak_tensor_bytes'] for w in (1, 2, 4)]}; 2 -> 4 ranks {drop}, arithmetic {want:.0f}")
-assert abs(drop - want) <= 0.01 * want, (drop, want)
+slack = 8 * 65536 * 4  # eight buckets of one 65,536-element parameter
+assert slack < 0.15 * want
+assert abs(drop - want) <= slack, (drop, want, slack)
 PY
 
 # A 4-rank ZeRO-2 checkpoint resumes under other layouts.
@@ -84,4 +88,73 @@ compare moved_one_rank zero2_4 || fail "4 ranks (ZeRO-2) resumed on 1 rank diffe
 "$DK" train --resume --run-dir moved_zero1_2 --nproc 2 --set train.micro_batch=4 --set train.zero=1 >/dev/null 2>r2.log \
   || { cat r2.log; fail "the 4-rank ZeRO-2 checkpoint did not resume on 2 ranks under ZeRO-1"; }
 compare moved_zero1_2 zero2_4 || fail "4 ranks (ZeRO-2) resumed on 2 ranks (ZeRO-1) differ from the uninterrupted run"
+# ---- Expert parallelism (moe.expert_parallel), on the MoE backbone ----
+MOE=(--config "$SRC/configs/tiny-moe.toml" --set model.vocab_size=512 --set model.seq_len=64 --set model.d_model=64
+     --set model.n_layers=2 --set model.d_ff=128 --set moe.expert_d_ff=32 --set moe.shared_d_ff=32 --set data.dir=data
+     --set train.eval_tokens=2048 --set train.eval_every=10 --set train.checkpoint_every=10 --set optim.warmup_steps=5
+     --set train.log_every=1 --set train.steps=20 --set train.threads=1)
+moe() {  # moe RUN RANKS ARGS...: as train, on the MoE backbone
+  local run=$1 ranks=$2; shift 2
+  "$DK" train "${MOE[@]}" --run-dir "$run" --nproc "$ranks" --set train.micro_batch=$((ranks == 4 ? 2 : 4)) \
+    --set train.grad_accum=$((ranks == 1 ? 2 : 1)) "$@" >/dev/null 2>"$run.log" || { cat "$run.log"; fail "$run"; }
+}
+# Every kind: 2 ranks splitting the 8 experts equal 2 ranks holding all of them. Only the order of
+# the experts' sums differs (an expert's rows from both ranks in one product and its gradient
+# summed there, against two products and an all-reduce): the losses agree to the bit over 20 steps
+# here, and the parameters within 1e-4, where AdamW's m/√v amplifies a rounding in a near-zero
+# gradient (mHC's scales and biases move most, by 4e-5).
+kinds=$({ "$DK" train "${MOE[@]}" --set residual.kind=? --run-dir none 2>&1 || true; } | grep -o '"[a-z_]*"' | tr -d '"')
+[ "$(echo "$kinds" | wc -l)" -ge 7 ] || fail "could not list the pathway kinds: $kinds"
+for kind in $kinds; do
+  moe dp2_$kind 2 --set residual.kind=$kind
+  moe ep2_$kind 2 --set residual.kind=$kind --set moe.expert_parallel=2
+  compare ep2_$kind dp2_$kind --param-limit 1e-4 || fail "$kind: experts split over 2 ranks differ from data parallel"
+done
+grep -q "ZeRO-0, experts over 2 ranks: replicated: AdamW state of .*; experts: AdamW state of" ep2_dar.log \
+  || fail "expert parallelism does not report its sets"
+
+# Layouts on 4 ranks (DAR): experts over 2 and over 4 ranks, with ZeRO-1 and -2, against data parallel;
+# with accumulation on 2 ranks against data parallel with the same micro-batches (the balancing
+# loss is a product of means over a micro-batch: other micro-batches, another loss);
+# recomputation changes no bit.
+moe dp4 4 --set residual.kind=dar
+for layout in "2 0" "4 0" "2 1" "2 2" "4 2"; do
+  set -- $layout
+  moe ep$1_zero$2 4 --set residual.kind=dar --set moe.expert_parallel=$1 --set train.zero=$2
+  compare ep$1_zero$2 dp4 --param-limit 1e-4 || fail "experts over $1 of 4 ranks (ZeRO-$2) differ from data parallel"
+done
+for run in dp2_accum ep2_accum; do
+  "$DK" train "${MOE[@]}" --run-dir $run --nproc 2 --set residual.kind=dar --set train.micro_batch=2 --set train.grad_accum=2 \
+    --set moe.expert_parallel=$([ $run = ep2_accum ] && echo 2 || echo 1) >/dev/null 2>$run.log || { cat $run.log; fail "$run"; }
+done
+compare ep2_accum dp2_accum --param-limit 1e-4 || fail "experts over 2 ranks with accumulation differ from data parallel"
+moe ep2_recompute 2 --set residual.kind=dar --set moe.expert_parallel=2 --set train.recompute=branch
+compare ep2_recompute ep2_dar --exact || fail "recomputation changed the expert-parallel run"
+
+# A checkpoint of 4 ranks, experts over 2, ZeRO-2, resumes on 1 rank and on 2 ranks (ZeRO-1, experts
+# whole): the tensors are named and shaped as one rank's. The micro-batches stay of 2 sequences
+# (the balancing loss is taken per micro-batch), accumulation making up the global batch.
+for layout in one_rank two_ranks; do
+  rc=0; "$DK" train "${MOE[@]}" --set residual.kind=dar --run-dir ep_moved_$layout --nproc 4 --set train.micro_batch=2 \
+    --set moe.expert_parallel=2 --set train.zero=2 --stop-after 7 >/dev/null 2>moved.log || rc=$?
+  [ $rc = 130 ] || { cat moved.log; fail "--stop-after 7 (experts over 2 of 4 ranks) exited $rc, expected 130"; }
+done
+"$DK" train --resume --run-dir ep_moved_one_rank --set train.micro_batch=2 --set train.grad_accum=4 \
+  --set moe.expert_parallel=1 --set train.zero=0 >/dev/null 2>r1.log || { cat r1.log; fail "expert-parallel checkpoint on 1 rank"; }
+compare ep_moved_one_rank ep2_zero2 --param-limit 1e-4 || fail "experts over 2 of 4 ranks resumed on 1 rank differ"
+"$DK" train --resume --run-dir ep_moved_two_ranks --nproc 2 --set train.grad_accum=2 --set moe.expert_parallel=1 \
+  --set train.zero=1 >/dev/null 2>r2.log || { cat r2.log; fail "expert-parallel checkpoint on 2 ranks"; }
+compare ep_moved_two_ranks ep2_zero2 --param-limit 1e-4 || fail "experts over 2 of 4 ranks resumed on 2 ranks differ"
+
+# Bad layouts: one line naming the keys, before any rank starts.
+refused() {  # refused PATTERN ARGS...
+  local pattern=$1 rc=0; shift
+  "$DK" train "${MOE[@]}" --run-dir refused "$@" >/dev/null 2>refused.log || rc=$?
+  [ $rc = 1 ] && grep -qF -- "$pattern" refused.log && [ "$(grep -c . refused.log)" = 1 ] && [ ! -e refused ] \
+    || { cat refused.log; fail "not refused in one line: $*"; }
+}
+refused "key 'moe.expert_parallel' (4) must divide the number of ranks (2)" --nproc 2 --set moe.expert_parallel=4
+refused "key 'moe.expert_parallel' (3) must divide moe.n_experts (8)" --nproc 3 --set moe.expert_parallel=3
+refused "key 'moe.expert_parallel' is 2 but the model has no experts" --nproc 2 --set moe.n_experts=0 \
+  --set moe.expert_parallel=2
 echo "cli_sharding: ok"

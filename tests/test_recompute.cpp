@@ -74,7 +74,9 @@ TEST(Recompute, BranchGradientsBitIdenticalForEveryKind) {
     const auto& params = m.parameters().all();
     for (size_t i = 0; i < params.size(); ++i) {
       ASSERT_EQ(kept[i].defined(), again[i].defined()) << params[i].name;
-      if (kept[i].defined()) EXPECT_TRUE(at::equal(kept[i], again[i])) << params[i].name;
+      if (kept[i].defined()) {
+        EXPECT_TRUE(at::equal(kept[i], again[i])) << params[i].name;
+      }
     }
     if (v.moe) {  // the MoE terms are the same too
       EXPECT_EQ(m.moe_terms().load.size(), 2u);

@@ -58,6 +58,7 @@ std::vector<Field> fields(Config& c) {
       {"moe", "aux_loss_coef", &m.moe.aux_loss_coef, 0, 1e6},
       {"moe", "z_loss_coef", &m.moe.z_loss_coef, 0, 1e6},
       {"moe", "expert_impl", &m.moe.expert_impl, -kInf, kInf, {"auto", "grouped", "loop"}},
+      {"moe", "expert_parallel", &m.moe.expert_parallel, 1, 1 << 20},
       {"residual", "kind", &r.kind},  // a name in the pathway registry (ConfigRules)
       {"residual", "block_sublayers", &r.block_sublayers, 1, 1 << 20},
       {"residual", "share_within_block", &r.share_within_block},
@@ -84,6 +85,7 @@ std::vector<Field> fields(Config& c) {
       {"train", "device", &t.device, -kInf, kInf, {"cpu", "cuda"}},
       {"train", "backend", &t.backend, -kInf, kInf, {"auto", "gloo", "nccl"}},
       {"train", "zero", &t.zero, 0, 2},
+      {"train", "bucket_bytes", &t.bucket_bytes, 0, kInf},
       {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},
       {"train", "dtype", &t.dtype, -kInf, kInf, {"float32", "bfloat16"}},
       {"train", "recompute", &t.recompute, -kInf, kInf, {"none", "branch"}},
@@ -212,6 +214,9 @@ void validate(const Config& c, const std::string& where, const ConfigRules& rule
     checked_mul(checked_mul(checked_mul(m.moe.n_experts, m.moe.expert_d_ff, where, "moe.n_experts x moe.expert_d_ff"),
                             m.d_model, where, "the experts' matrices (moe.n_experts x moe.expert_d_ff x model.d_model)"),
                 12, where, "the experts' bytes (3 x moe.n_experts x moe.expert_d_ff x model.d_model x 4)");
+    if (m.moe.n_experts % m.moe.expert_parallel != 0)
+      fail(where, ": key 'moe.expert_parallel' (", m.moe.expert_parallel, ") must divide moe.n_experts (",
+           m.moe.n_experts, ")");
     if (m.moe.expert_impl == "grouped") {
       const std::string why = grouped_experts_unsupported(c.train.device, c.train.dtype, m.d_model, m.moe.expert_d_ff);
       if (!why.empty()) fail(where, ": key 'moe.expert_impl' is \"grouped\", but ", why, "; use \"auto\" or \"loop\"");
@@ -221,6 +226,8 @@ void validate(const Config& c, const std::string& where, const ConfigRules& rule
                 checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
                 "the shared experts' bytes (3 x moe.n_shared_experts x moe.shared_d_ff x model.d_model x 4)");
   }
+  if (!m.moe.enabled() && m.moe.expert_parallel > 1)
+    fail(where, ": key 'moe.expert_parallel' is ", m.moe.expert_parallel, " but the model has no experts (moe.n_experts = 0)");
   if (rules.check) rules.check(c, where);  // the kind's own checks, from above (ConfigRules)
   if (c.train.steps == 0 && c.train.tokens == 0)
     fail(where, ": key 'train.steps' or 'train.tokens' must be set (both are 0)");

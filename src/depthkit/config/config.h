@@ -30,6 +30,10 @@ struct MoeConfig {
   // at::_grouped_mm per projection), "loop" (one at::mm per expert and projection), or "auto":
   // grouped where it can run (grouped_experts_unsupported), else the loop.
   std::string expert_impl = "auto";
+  // Expert parallelism: the routed experts split over this many consecutive ranks (a contiguous
+  // range each), tokens sent to them and back by all-to-all (model/expert_parallel.h). It must
+  // divide n_experts and the number of ranks.
+  int64_t expert_parallel = 1;
 
   bool enabled() const { return n_experts > 0; }
   int64_t resolved_shared_d_ff() const { return shared_d_ff > 0 ? shared_d_ff : expert_d_ff; }
@@ -112,6 +116,9 @@ struct TrainConfig {
   std::string backend = "auto";
   int64_t zero = 0;
   double timeout_s = 300;
+  // ZeRO-2's gradient buckets, in bytes (DDP's bucket_cap_mb, DeepSpeed's reduce_bucket_size); a
+  // bucket holds whole parameters. 0: a 32nd of the gradients, between 64 KiB and 25 MiB.
+  int64_t bucket_bytes = 0;
   // Activations recomputed in backward instead of kept (docs/training.md, "Recomputation"):
   // "none" | "branch" (each attention and feed-forward branch; Transformer::set_recompute).
   std::string recompute = "none";

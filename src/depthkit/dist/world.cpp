@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -138,24 +139,8 @@ struct World::Impl {
   }
 
   at::Device device = at::kCPU;  // where the backend's tensors live (CUDA for NCCL)
-
-  // Waits for a collective; one that fails (a peer gone, the timeout) is a CollectiveError.
-  void wait(const c10::intrusive_ptr<c10d::Work>& work) {
-    try {
-      work->wait(timeout);
-    } catch (const std::exception& e) {
-      throw CollectiveError(one_line(e));
-    }
-  }
-
-  // Runs `collective` on `t` moved to the backend's device, and copies the result back.
-  template <class F>
-  void on_device(at::Tensor& t, const F& collective) {
-    at::Tensor there = t.device() == device ? t : t.to(device);
-    std::vector<at::Tensor> ts{there};
-    wait(collective(ts));
-    if (!there.is_same(t)) t.copy_(there);
-  }
+  std::string backend, master_addr;  // what make_group needs for further groups
+  int64_t local_rank = 0;
 
   // A new connection to the job's store that gives up after a few seconds: for reading what the
   // other ranks published once something failed (the job's own connection may be mid-request,
@@ -318,7 +303,51 @@ struct World::Impl {
   }
 };
 
-World::World() : impl_(std::make_unique<Impl>()) {}
+namespace {
+
+// A process group of `size` ranks on the job's backend, meeting through `store`: Gloo over TCP
+// (loopback when the job's address is), or NCCL on this rank's GPU.
+struct Backend {
+  std::string name, master_addr;
+  at::Device device;
+  std::chrono::milliseconds timeout;
+};
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const Backend& w, const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int64_t rank, int64_t size);
+
+}  // namespace
+
+struct Group::Impl {
+  Impl(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device, std::chrono::milliseconds timeout)
+      : pg(std::move(pg)), device(device), timeout(timeout) {}
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null for a group of one
+  at::Device device;
+  std::chrono::milliseconds timeout;
+  // Waits for a collective; one that fails (a peer gone, the timeout) is a CollectiveError.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work) const {
+    try {
+      work->wait(timeout);
+    } catch (const std::exception& e) {
+      throw CollectiveError(one_line(e));
+    }
+  }
+  // Runs `collective` on `t` moved to the backend's device, and copies the result back.
+  template <class F>
+  void on_device(at::Tensor& t, const F& collective) const {
+    at::Tensor there = t.device() == device ? t : t.to(device);
+    std::vector<at::Tensor> ts{there};
+    wait(collective(ts));
+    if (!there.is_same(t)) t.copy_(there);
+  }
+};
+
+Group::Group(std::unique_ptr<Impl> impl, std::vector<int64_t> members, int64_t rank)
+    : impl_(std::move(impl)), members_(std::move(members)), rank_(rank) {}
+Group::~Group() = default;
+
+World::World() : impl_(std::make_unique<Impl>()) {
+  all_ = std::unique_ptr<Group>(new Group(std::make_unique<Group::Impl>(nullptr, at::kCPU, std::chrono::milliseconds(0)), {0}, 0));
+}
 
 World::World(const LaunchEnv& env, const std::string& backend, double timeout_s, const Facts& facts)
     : impl_(std::make_unique<Impl>()), rank_(env.rank), size_(env.world_size) {
@@ -387,30 +416,13 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s,
   for (const Json& j : launched) launched_facts.push_back(j.is_object() ? j.value("facts", Json::object()) : Json::object());
   if (const std::string d = differences(launched_facts); !d.empty())
     fail("the ranks were started differently (every rank of a job needs the same config and data); ", d);
+  w.backend = backend;
+  w.master_addr = env.master_addr;
+  w.local_rank = env.local_rank;
+  if (backend == "nccl") w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
   try {
-    auto group_store = c10::make_intrusive<c10d::PrefixStore>("group", w.store);
-    w.group = c10::make_intrusive<c10d::ProcessGroup>(group_store, int(w.rank), int(w.size));
-    if (backend == "gloo") {
-      auto options = c10d::ProcessGroupGloo::Options::create(w.timeout);
-      options->devices.push_back(env.master_addr == "127.0.0.1" || env.master_addr == "localhost"
-                                     ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                     : c10d::ProcessGroupGloo::createDefaultDevice());
-      auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(group_store, int(w.rank), int(w.size), options);
-      w.group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::GLOO, gloo);
-      w.group->setDefaultBackend(c10d::ProcessGroup::GLOO);
-    } else if (backend == "nccl") {
-      // NCCL binds the calling thread's current device: this rank's GPU (LOCAL_RANK).
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank)));
-      auto nccl = make_nccl_backend(group_store, int(w.rank), int(w.size), w.timeout);
-      w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
-      w.group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::NCCL, nccl);
-      w.group->setDefaultBackend(c10d::ProcessGroup::NCCL);
-      // NCCL's watchdog says why it ends a hung collective in an error-level log line before it
-      // aborts the process: with NCCL, those lines pass (cli/app.cpp keeps only fatal ones).
-      if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = std::min<int>(FLAGS_caffe2_log_level, 2);
-    } else {
-      fail("train.backend: unknown process-group backend '", backend, "'");
-    }
+    w.group = make_process_group({w.backend, w.master_addr, w.device, w.timeout},
+                                 c10::make_intrusive<c10d::PrefixStore>("group", w.store), w.rank, w.size);
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -419,40 +431,58 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s,
     fail("rank ", w.rank, ": the ", backend, " process group did not form within ", timeout_s, " s (train.timeout_s)",
          why.empty() ? cat(": ", one_line(e)) : cat(": ", why));
   }
+  std::vector<int64_t> everyone;
+  for (int64_t r = 0; r < size_; ++r) everyone.push_back(r);
+  all_ = std::unique_ptr<Group>(new Group(std::make_unique<Group::Impl>(w.group, w.device, w.timeout), everyone, rank_));
 }
 
 World::~World() = default;
 
-void World::all_reduce_sum(at::Tensor& t) {
-  if (!distributed()) return;
-  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->allreduce(ts); });
+void Group::all_reduce_sum(at::Tensor& t) {
+  if (size() == 1) return;
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->allreduce(ts); });
 }
 
-void World::broadcast(at::Tensor& t, int64_t root) {
-  if (!distributed()) return;
+void Group::broadcast(at::Tensor& t, int64_t root) {
+  if (size() == 1) return;
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->broadcast(ts, opts); });
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->broadcast(ts, opts); });
 }
 
-at::Tensor World::all_gather(const at::Tensor& shard) {
-  if (!distributed()) return shard.clone();
+at::Tensor Group::all_gather(const at::Tensor& shard) {
+  if (size() == 1) return shard.clone();
   const at::Tensor in = shard.to(impl_->device).contiguous();
-  at::Tensor out = at::empty({size_ * in.numel()}, in.options());
+  at::Tensor out = at::empty({size() * in.numel()}, in.options());
   std::vector<std::vector<at::Tensor>> outs(1);
-  for (int64_t r = 0; r < size_; ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
+  for (int64_t r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
   std::vector<at::Tensor> ins{in};
-  impl_->wait(impl_->group->allgather(outs, ins));
+  impl_->wait(impl_->pg->allgather(outs, ins));
   return out.to(shard.device());
 }
 
-void World::send(const at::Tensor& t, int64_t dst) {
-  std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
-  impl_->wait(impl_->group->send(ts, int(dst), 0));
+at::Tensor Group::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                             const std::vector<int64_t>& recv_counts) {
+  int64_t received = 0;
+  for (int64_t n : recv_counts) received += n;
+  if (size() == 1) return input.clone();
+  const at::Tensor in = input.to(impl_->device).contiguous();
+  std::vector<int64_t> out_shape = in.sizes().vec();
+  out_shape[0] = received;
+  at::Tensor out = at::empty(out_shape, in.options());
+  std::vector<int64_t> sends = send_counts, recvs = recv_counts;
+  at::Tensor in_arg = in;
+  impl_->wait(impl_->pg->alltoall_base(out, in_arg, recvs, sends));
+  return out.to(input.device());
 }
 
-void World::recv(at::Tensor& t, int64_t src) {
-  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->group->recv(ts, int(src), 0); });
+void Group::send(const at::Tensor& t, int64_t dst) {
+  std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
+  impl_->wait(impl_->pg->send(ts, int(dst), 0));
+}
+
+void Group::recv(at::Tensor& t, int64_t src) {
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->recv(ts, int(src), 0); });
 }
 
 namespace {
@@ -477,18 +507,39 @@ class Done final : public PendingCollective {
 
 }  // namespace
 
-std::unique_ptr<PendingCollective> World::reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out) {
-  if (int64_t(pieces.size()) != size_ || pieces[size_t(rank_)].numel() != out.numel())
-    fail("World::reduce_scatter: ", pieces.size(), " pieces for ", size_, " ranks, or this rank's piece has ",
+std::unique_ptr<PendingCollective> Group::reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out) {
+  if (int64_t(pieces.size()) != size() || pieces[size_t(rank_)].numel() != out.numel())
+    fail("Group::reduce_scatter: ", pieces.size(), " pieces for ", size(), " members, or this member's piece has ",
          pieces.empty() ? 0 : pieces[size_t(rank_)].numel(), " elements for an output of ", out.numel());
-  if (!distributed()) {
+  if (size() == 1) {
     out.copy_(pieces[0]);
     return std::make_unique<Done>();
   }
   std::vector<at::Tensor> outs{out};
   std::vector<std::vector<at::Tensor>> ins{pieces};
-  return std::make_unique<PendingWork>(impl_->group->reduce_scatter(outs, ins),
+  return std::make_unique<PendingWork>(impl_->pg->reduce_scatter(outs, ins),
                                        [impl = impl_.get()](const c10::intrusive_ptr<c10d::Work>& w) { impl->wait(w); });
+}
+
+std::unique_ptr<Group> World::group(const std::string& name, const std::vector<int64_t>& members) {
+  const auto place = std::find(members.begin(), members.end(), rank_);
+  if (place == members.end() || !std::is_sorted(members.begin(), members.end()))
+    fail("World::group '", name, "': rank ", rank_, " is not among its members, or they are not in order");
+  const int64_t rank = place - members.begin();
+  auto impl = [&](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    return std::make_unique<Group::Impl>(std::move(pg), impl_->device, impl_->timeout);
+  };
+  if (members.size() == 1) return std::unique_ptr<Group>(new Group(impl(nullptr), members, 0));
+  if (int64_t(members.size()) == size_) return std::unique_ptr<Group>(new Group(impl(impl_->group), members, rank));
+  std::string key = "group/" + name;
+  for (int64_t m : members) key += cat("-", m);
+  try {
+    auto pg = make_process_group({impl_->backend, impl_->master_addr, impl_->device, impl_->timeout},
+                                 c10::make_intrusive<c10d::PrefixStore>(key, impl_->store), rank, int64_t(members.size()));
+    return std::unique_ptr<Group>(new Group(impl(std::move(pg)), members, rank));
+  } catch (const std::exception& e) {
+    throw CollectiveError(cat("rank ", rank_, ": the process group '", name, "' did not form: ", one_line(e)));
+  }
 }
 
 void World::agree(bool ok, const std::string& what, const Facts& facts) {
@@ -596,9 +647,39 @@ class C10dReducer final : public GradientReducer {
 
 }  // namespace
 
-std::unique_ptr<GradientReducer> World::gradient_reducer(const std::vector<at::Tensor>& params, int64_t bucket_bytes) {
-  if (!distributed()) return std::make_unique<NoReducer>();
-  return std::make_unique<C10dReducer>(params, impl_->group, bucket_bytes);
+std::unique_ptr<GradientReducer> Group::gradient_reducer(const std::vector<at::Tensor>& params, int64_t bucket_bytes) {
+  if (size() == 1) return std::make_unique<NoReducer>();
+  return std::make_unique<C10dReducer>(params, impl_->pg, bucket_bytes);
 }
+
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const Backend& w, const c10::intrusive_ptr<c10d::Store>& store,
+                                                          int64_t rank, int64_t size) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, int(rank), int(size));
+  if (w.name == "gloo") {
+    auto options = c10d::ProcessGroupGloo::Options::create(w.timeout);
+    options->devices.push_back(w.master_addr == "127.0.0.1" || w.master_addr == "localhost"
+                                   ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                   : c10d::ProcessGroupGloo::createDefaultDevice());
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, int(rank), int(size), options);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::GLOO, gloo);
+    group->setDefaultBackend(c10d::ProcessGroup::GLOO);
+  } else if (w.name == "nccl") {
+    // NCCL binds the calling thread's current device: this rank's GPU (LOCAL_RANK).
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(w.device);
+    auto nccl = make_nccl_backend(store, int(rank), int(size), w.timeout);
+    group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::NCCL, nccl);
+    group->setDefaultBackend(c10d::ProcessGroup::NCCL);
+    // NCCL's watchdog says why it ends a hung collective in an error-level log line before it
+    // aborts the process: with NCCL, those lines pass (cli/app.cpp keeps only fatal ones).
+    if (!std::getenv("TORCH_CPP_LOG_LEVEL")) FLAGS_caffe2_log_level = std::min<int>(FLAGS_caffe2_log_level, 2);
+  } else {
+    fail("train.backend: unknown process-group backend '", w.name, "'");
+  }
+  return group;
+}
+
+}  // namespace
 
 }  // namespace depthkit

@@ -60,12 +60,55 @@ class GradientReducer {
   virtual void before_backward() = 0;
 };
 
-// A collective started and not yet waited for (World::reduce_scatter).
+// A collective started and not yet waited for (Group::reduce_scatter).
 class PendingCollective {
  public:
   virtual ~PendingCollective() = default;
   // Returns once the result is in place; a failed collective is a CollectiveError.
   virtual void wait() = 0;
+};
+
+// Some ranks of a job with a c10d process group of their own (docs/design.md, "Expert
+// parallelism": the ranks that split the experts between them, and those that hold the same
+// ones), or all of them (World's own collectives). Its collectives run among its members only,
+// and every member calls them alike, in the same order. A group of one is the identity.
+class Group {
+ public:
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+  int64_t rank() const { return rank_; }  // this process's place among the members
+  int64_t size() const { return int64_t(members_.size()); }
+  const std::vector<int64_t>& members() const { return members_; }  // their ranks in the job, ascending
+
+  // Tensors live on the backend's device (CPU for Gloo, CUDA for NCCL) or are moved there and
+  // back; each call but reduce_scatter waits for its result.
+  void all_reduce_sum(at::Tensor& t);
+  void broadcast(at::Tensor& t, int64_t root = 0);  // root: a place among the members
+  // Every member's `shard` (1-D, the same length on every member) concatenated in member order.
+  at::Tensor all_gather(const at::Tensor& shard);
+  // Starts a summing reduce-scatter: `out` receives the sum over members of their pieces[rank()].
+  // pieces holds one 1-D tensor per member, pieces[i] as long as member i's `out` (lengths may
+  // differ, zero included). Alone, out = pieces[0]. The tensors must stay alive until wait().
+  std::unique_ptr<PendingCollective> reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out);
+  // The rows of `input` [n, ...] sent in order, send_counts[i] of them to member i; returns the
+  // rows received, recv_counts[i] from member i, in member order (the counts agreed beforehand).
+  at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                        const std::vector<int64_t>& recv_counts);
+  // Point to point, by place among the members.
+  void send(const at::Tensor& t, int64_t dst);
+  void recv(at::Tensor& t, int64_t src);
+  // Averages the gradients of `params` over the members (c10d's Reducer; World::gradient_reducer).
+  std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,
+                                                    int64_t bucket_bytes = 25 << 20);
+
+ private:
+  friend class World;
+  struct Impl;
+  Group(std::unique_ptr<Impl> impl, std::vector<int64_t> members, int64_t rank);
+  std::unique_ptr<Impl> impl_;
+  std::vector<int64_t> members_;
+  int64_t rank_ = 0;
 };
 
 class World {
@@ -90,19 +133,20 @@ class World {
   bool root() const { return rank_ == 0; }
   bool distributed() const { return size_ > 1; }
 
-  // Collectives over every rank (the identity in one process). Tensors live on the backend's
-  // device (CPU for Gloo, CUDA for NCCL); each call waits for its result.
-  void all_reduce_sum(at::Tensor& t);
-  void broadcast(at::Tensor& t, int64_t root = 0);
-  // Every rank's `shard` (1-D, the same length on every rank) concatenated in rank order.
-  at::Tensor all_gather(const at::Tensor& shard);
-  // Point to point: `t` to rank dst, and into `t` from rank src (the sizes agreed beforehand).
-  void send(const at::Tensor& t, int64_t dst);
-  void recv(at::Tensor& t, int64_t src);
-  // Starts a summing reduce-scatter: `out` receives the sum over ranks of their pieces[rank()].
-  // pieces holds one 1-D tensor per rank, pieces[r] as long as rank r's `out` (lengths may differ,
-  // zero included). In one process, out = pieces[0]. The tensors must stay alive until wait().
-  std::unique_ptr<PendingCollective> reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out);
+  // Collectives over every rank (the identity in one process): all().
+  Group& all() { return *all_; }
+  void all_reduce_sum(at::Tensor& t) { all_->all_reduce_sum(t); }
+  void broadcast(at::Tensor& t, int64_t root = 0) { all_->broadcast(t, root); }
+  at::Tensor all_gather(const at::Tensor& shard) { return all_->all_gather(shard); }
+  std::unique_ptr<PendingCollective> reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out) {
+    return all_->reduce_scatter(pieces, std::move(out));
+  }
+  void send(const at::Tensor& t, int64_t dst) { all_->send(t, dst); }
+  void recv(at::Tensor& t, int64_t src) { all_->recv(t, src); }
+  // A group of some ranks (ascending, this one among them), with its own process group on the
+  // job's backend; `name` keeps its rendezvous apart from other groups'. Every member calls it
+  // with the same name and members; the whole job's ranks give all()'s process group again.
+  std::unique_ptr<Group> group(const std::string& name, const std::vector<int64_t>& members);
 
   // Start-up: every rank says whether its part succeeded and what it starts from. Returns on all
   // ranks when all succeeded with the same facts. Otherwise throws, on the ranks that succeeded:
@@ -110,9 +154,11 @@ class World {
   // facts that differ, rank by rank. Through the store: a rank gone or stuck is named too.
   void agree(bool ok, const std::string& what, const Facts& facts = {});
 
-  // The gradient reducer for `params` (the identity in one process).
+  // The gradient reducer for `params` over every rank (the identity in one process).
   std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,
-                                                    int64_t bucket_bytes = 25 << 20);
+                                                    int64_t bucket_bytes = 25 << 20) {
+    return all_->gradient_reducer(params, bucket_bytes);
+  }
 
   // The step this rank is at, published with its heartbeat (a stuck rank is then named).
   void set_step(int64_t step);
@@ -129,6 +175,7 @@ class World {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Group> all_;
   int64_t rank_ = 0, size_ = 1;
 };
 

@@ -24,16 +24,18 @@
 
 namespace depthkit {
 
-MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix)
-    : moe(c.moe), eps(c.norm_eps), ops(c.impl, p.device().type()), expert_impl(c.moe.expert_impl) {
+MoeFeedForward::MoeFeedForward(const ModelConfig& c, ParameterStore& p, const std::string& prefix,
+                               const ExpertPlacement& placement_)
+    : moe(c.moe), eps(c.norm_eps), ops(c.impl, p.device().type()), placement(placement_), expert_impl(c.moe.expert_impl) {
   moe_router(moe.router);  // an unknown name is refused here, before any parameter is made
   const int64_t d = c.d_model, E = moe.n_experts, f = moe.expert_d_ff;
   const double out_std = c.init_std / std::sqrt(2.0 * double(c.n_layers));
   norm = p.add(prefix + ".norm", "norm", {d}, Init::Ones);
   router = p.add(prefix + ".router", "router", {E, d}, Init::Normal, c.init_std);
-  w_gate = p.add(prefix + ".experts.w_gate", "experts", {E, f, d}, Init::Normal, c.init_std);
-  w_up = p.add(prefix + ".experts.w_up", "experts", {E, f, d}, Init::Normal, c.init_std);
-  w_down = p.add(prefix + ".experts.w_down", "experts", {E, d, f}, Init::Normal, out_std);
+  const Rows held = placement.split() ? Rows{placement.first, placement.count} : Rows{};
+  w_gate = p.add(prefix + ".experts.w_gate", "experts", {E, f, d}, Init::Normal, c.init_std, held);
+  w_up = p.add(prefix + ".experts.w_up", "experts", {E, f, d}, Init::Normal, c.init_std, held);
+  w_down = p.add(prefix + ".experts.w_down", "experts", {E, d, f}, Init::Normal, out_std, held);
   if (moe.n_shared_experts > 0) {
     // The shared experts as one SwiGLU of width n_shared · shared_d_ff: SwiGLU acts on each hidden
     // unit separately, so this is exactly the sum of n_shared separate experts (DeepSeekMoE).
@@ -76,6 +78,33 @@ at::Tensor contiguous_grad(at::Tensor t) {
 
 }  // namespace
 
+at::Tensor MoeFeedForward::run_held_experts(const at::Tensor& xs, const at::Tensor& counts) const {
+  const int64_t E = w_gate.size(0);  // the experts held here
+  auto wg = cast_like(w_gate, xs), wu = cast_like(w_up, xs), wd = cast_like(w_down, xs);
+  if (uses_grouped(xs)) {
+    auto offs = at::cumsum(counts, 0).to(at::kInt);
+    auto g = contiguous_grad(at::_grouped_mm(xs, wg.transpose(1, 2), offs));
+    auto u = contiguous_grad(at::_grouped_mm(xs, wu.transpose(1, 2), offs));
+    auto a = at::silu(g) * u;
+    return contiguous_grad(at::_grouped_mm(a, wd.transpose(1, 2), offs));
+  }
+  auto c = counts.cpu();
+  // The expert matrices split once: indexing w[e] per expert would give each expert's backward
+  // a full-size [E, ...] zero gradient to sum; unbind's backward stacks them once.
+  const auto wgs = wg.unbind(0), wus = wu.unbind(0), wds = wd.unbind(0);
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = c.data_ptr<int64_t>()[e];
+    if (n == 0) continue;
+    auto xe = xs.narrow(0, start, n);
+    auto a = at::silu(at::mm(xe, wgs[e].t())) * at::mm(xe, wus[e].t());
+    parts.push_back(at::mm(a, wds[e].t()));
+    start += n;
+  }
+  return parts.empty() ? xs.narrow(0, 0, 0) : at::cat(parts, 0);
+}
+
 at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
   const int64_t d = h.size(-1), E = moe.n_experts, k = moe.top_k;
   auto x = ops.rms_norm(h, norm, eps).reshape({-1, d});
@@ -88,31 +117,8 @@ at::Tensor MoeFeedForward::forward(const at::Tensor& h, MoeStats* stats) const {
   auto token_of = at::floor_divide(order, k);
   auto counts = at::bincount(flat_expert, {}, E);
   auto xs = x.index_select(0, token_of);  // [N·k, d], the sorted copies
-  auto wg = cast_like(w_gate, x), wu = cast_like(w_up, x), wd = cast_like(w_down, x);
-  at::Tensor ys;
-  if (uses_grouped(x)) {
-    auto offs = at::cumsum(counts, 0).to(at::kInt);
-    auto g = contiguous_grad(at::_grouped_mm(xs, wg.transpose(1, 2), offs));
-    auto u = contiguous_grad(at::_grouped_mm(xs, wu.transpose(1, 2), offs));
-    auto a = at::silu(g) * u;
-    ys = contiguous_grad(at::_grouped_mm(a, wd.transpose(1, 2), offs));
-  } else {
-    auto c = counts.cpu();
-    // The expert matrices split once: indexing w[e] per expert would give each expert's backward
-    // a full-size [E, ...] zero gradient to sum; unbind's backward stacks them once.
-    const auto wgs = wg.unbind(0), wus = wu.unbind(0), wds = wd.unbind(0);
-    std::vector<at::Tensor> parts;
-    int64_t start = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = c.data_ptr<int64_t>()[e];
-      if (n == 0) continue;
-      auto xe = xs.narrow(0, start, n);
-      auto a = at::silu(at::mm(xe, wgs[e].t())) * at::mm(xe, wus[e].t());
-      parts.push_back(at::mm(a, wds[e].t()));
-      start += n;
-    }
-    ys = parts.empty() ? xs.narrow(0, 0, 0) : at::cat(parts, 0);
-  }
+  const at::Tensor ys = run_experts_across_ranks(
+      xs, counts, placement, [this](const at::Tensor& rows, const at::Tensor& n) { return run_held_experts(rows, n); });
   // Combine: each copy weighted by its gate, added back to its token.
   auto gate_sorted = r.gates.reshape({-1}).index_select(0, order).to(ys.scalar_type());
   auto y = at::zeros({N, d}, ys.options()).index_add(0, token_of, ys * gate_sorted.unsqueeze(1));

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "depthkit/config/config.h"
+#include "depthkit/model/expert_parallel.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/router.h"
 
@@ -29,7 +30,11 @@ struct MoeFeedForward {
   MoeConfig moe;
   double eps;
   BackboneOps ops;  // the input norm's
-  MoeFeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix);
+  // Which experts this rank holds (all, unless moe.expert_parallel splits them): w_gate, w_up and
+  // w_down then hold those experts' rows of the [E, ...] tensors named as on one rank.
+  ExpertPlacement placement;
+  MoeFeedForward(const ModelConfig& c, ParameterStore& params, const std::string& prefix,
+                 const ExpertPlacement& placement = {});
   // [B, T, d] → [B, T, d]; `stats`, when given, receives the auxiliary terms of this call.
   at::Tensor forward(const at::Tensor& h, MoeStats* stats = nullptr) const;
   // The router named by moe.router (looked up on each call, so that the tests may set it) on
@@ -46,6 +51,8 @@ struct MoeFeedForward {
   bool uses_grouped(const at::Tensor& x) const;
   // Why the grouped product cannot run on activations of this device and dtype; "" when it can.
   static std::string grouped_unsupported(at::Device device, at::ScalarType dtype, int64_t d_model, int64_t expert_d_ff);
+  // The held experts' SwiGLU on `rows` sorted by expert, counts[e] rows for held expert e.
+  at::Tensor run_held_experts(const at::Tensor& rows, const at::Tensor& counts) const;
   // Parameters per routed expert (its three SwiGLU matrices).
   static int64_t expert_parameters(const ModelConfig& c) { return 3 * c.d_model * c.moe.expert_d_ff; }
 };

@@ -34,7 +34,8 @@ at::ScalarType compute_dtype_of(const TrainConfig& train) {
 }
 
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
-                         uint64_t seed, at::ScalarType dtype, std::optional<at::ScalarType> compute_dtype)
+                         uint64_t seed, at::ScalarType dtype, std::optional<at::ScalarType> compute_dtype,
+                         const ExpertPlacement& experts)
     : cfg_(model), compute_(compute_dtype.value_or(dtype)), params_(device, seed, dtype), ops_(model.impl, device.type()) {
   // The dtypes the fused operators' kernels take (ops/cpu/kernel_math.h).
   if (compute_ != at::kFloat && compute_ != at::kDouble && compute_ != at::kBFloat16)
@@ -52,7 +53,7 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
     attention_.emplace_back(cfg_, params_, cat("layers.", i, ".attention"));
     if (cfg_.moe.is_moe_layer(i)) {
       feed_forward_.emplace_back();
-      moe_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"));
+      moe_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"), experts);
     } else {
       feed_forward_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"));
       moe_.emplace_back();

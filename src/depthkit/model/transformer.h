@@ -58,8 +58,11 @@ class Transformer {
   // `compute_dtype` the activations' (docs/design.md, "Precision"): absent, the parameters' dtype
   // (nothing is cast); bfloat16 runs the embedding output, every branch and the pathway's states
   // in bfloat16 with the parameters cast at each use, and returns logits and loss in `dtype`.
+  // `experts`: which routed experts of each MoE layer this rank holds (expert parallelism); by
+  // default all of them.
   Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed,
-              at::ScalarType dtype = at::kFloat, std::optional<at::ScalarType> compute_dtype = std::nullopt);
+              at::ScalarType dtype = at::kFloat, std::optional<at::ScalarType> compute_dtype = std::nullopt,
+              const ExpertPlacement& experts = {});
 
   // Called after branch ℓ's write with the pathway's state (analysis: states, interventions).
   using AfterBranch = std::function<void(int64_t branch, PathwayState& state)>;

@@ -12,7 +12,7 @@ ParameterStore::ParameterStore(at::Device device, uint64_t seed, at::ScalarType 
     : device_(device), dtype_(dtype), gen_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
 
 at::Tensor ParameterStore::add(const std::string& name, const std::string& component,
-                               at::IntArrayRef shape, Init init, double scale) {
+                               at::IntArrayRef shape, Init init, double scale, Rows rows) {
   for (const auto& p : params_)
     if (p.name == name) fail("parameter '", name, "' registered twice");
   int64_t numel = 1;
@@ -33,8 +33,13 @@ at::Tensor ParameterStore::add(const std::string& name, const std::string& compo
     }
     t = t.to(device_, dtype_);
   }
+  if (rows.count >= 0) {
+    if (shape.empty() || rows.first < 0 || rows.first + rows.count > shape[0])
+      fail("parameter '", name, "': rows [", rows.first, ", ", rows.first + rows.count, ") of ", shape);
+    t = t.narrow(0, rows.first, rows.count).clone();
+  }
   t.set_requires_grad(true);
-  params_.push_back({name, component, t, shape.size() >= 2});
+  params_.push_back({name, component, t, shape.size() >= 2, shape.vec(), rows.count >= 0 ? rows.first : 0});
   return t;
 }
 
@@ -61,8 +66,8 @@ void ParameterStore::load(const std::map<std::string, at::Tensor>& tensors, cons
   for (const auto& p : params_) {
     auto it = tensors.find(p.name);
     if (it == tensors.end()) fail(source, ": missing tensor '", p.name, "'");
-    if (it->second.sizes() != p.tensor.sizes())
-      fail(source, ": tensor '", p.name, "' has shape ", it->second.sizes(), ", the model needs ", p.tensor.sizes());
+    if (it->second.sizes() != at::IntArrayRef(p.full_shape))
+      fail(source, ": tensor '", p.name, "' has shape ", it->second.sizes(), ", the model needs ", at::IntArrayRef(p.full_shape));
     if (it->second.scalar_type() != p.tensor.scalar_type())
       fail(source, ": tensor '", p.name, "' has dtype ", it->second.scalar_type(), ", the model needs ", p.tensor.scalar_type());
   }
@@ -73,7 +78,10 @@ void ParameterStore::load(const std::map<std::string, at::Tensor>& tensors, cons
     }
   }
   at::NoGradGuard no_grad;
-  for (auto& p : params_) p.tensor.copy_(tensors.at(p.name));
+  for (auto& p : params_) {
+    const at::Tensor& whole = tensors.at(p.name);
+    p.tensor.copy_(p.is_slice() ? whole.narrow(0, p.first_row, p.tensor.size(0)) : whole);
+  }
 }
 
 void ParameterStore::zero_grad() {

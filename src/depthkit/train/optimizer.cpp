@@ -53,25 +53,31 @@ at::Tensor ParameterShard::unpad(const at::Tensor& gathered) const {
   return at::cat(parts);
 }
 
-std::vector<int64_t> AdamW::sizes(const ParameterStore& params) {
+std::vector<int64_t> AdamW::sizes(const ParameterStore& params, const std::vector<size_t>& members) {
   std::vector<int64_t> out;
-  for (const auto& p : params.all()) out.push_back(p.tensor.numel());
+  if (members.empty())
+    for (const auto& p : params.all()) out.push_back(p.tensor.numel());
+  for (size_t i : members) out.push_back(params.all()[i].tensor.numel());
   return out;
 }
 
-AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard)
+AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard,
+             const std::vector<size_t>& members)
     : params_(params), cfg_(cfg) {
-  const auto& ps = params_.all();
-  for (const auto& p : ps) total_ += p.tensor.numel();
-  shard_ = shard ? *shard : ParameterShard::of(sizes(params_), 0, 1);
+  if (members.empty())
+    for (const auto& p : params_.all()) members_.push_back(&p);
+  for (size_t i : members) members_.push_back(&params_.all()[i]);
+  const auto& ps = members_;
+  for (const Parameter* p : ps) total_ += p->tensor.numel();
+  shard_ = shard ? *shard : ParameterShard::of(sizes(params_, members), 0, 1);
   int64_t start = 0;  // of parameter i in the concatenation
   for (size_t i = 0; i < ps.size(); ++i) {
-    const int64_t n = ps[i].tensor.numel();
+    const int64_t n = ps[i]->tensor.numel();
     const int64_t lo = std::max(start, shard_.begin), hi = std::min(start + n, shard_.end);
     if (lo < hi) slices_.push_back({i, lo - start, hi - lo, lo - shard_.begin});
     start += n;
   }
-  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front().tensor.options();
+  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front()->tensor.options();
   Building building(cat("the AdamW moments of ", shard_.chunk, " parameters (", 2 * shard_.chunk, " values)"));
   exp_avg_ = at::zeros({shard_.chunk}, options.requires_grad(false));
   exp_avg_sq_ = at::zeros({shard_.chunk}, options.requires_grad(false));
@@ -81,7 +87,7 @@ int64_t AdamW::state_bytes() const { return 2 * exp_avg_.numel() * int64_t(exp_a
 
 at::Tensor AdamW::gradient_of(const Slice& s, const at::Tensor& shard_gradient) const {
   if (shard_gradient.defined()) return shard_gradient.narrow(0, s.flat, s.length);
-  const at::Tensor& g = params_.all()[s.param].tensor.grad();
+  const at::Tensor& g = members_[s.param]->tensor.grad();
   return g.defined() ? g.reshape(-1).narrow(0, s.offset, s.length) : at::Tensor();
 }
 
@@ -91,14 +97,13 @@ void AdamW::step(double lr, const at::Tensor& shard_gradient) {
   if (cfg_.impl == "fused") return fused_step(lr, shard_gradient);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(step_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, double(step_));
-  const auto& ps = params_.all();
   for (const Slice& s : slices_) {
-    const at::Tensor& whole = ps[s.param].tensor;
+    const at::Tensor& whole = members_[s.param]->tensor;
     const at::Tensor grad = gradient_of(s, shard_gradient);
     if (!grad.defined()) continue;
     at::Tensor p = whole.view(-1).narrow(0, s.offset, s.length);
     at::Tensor m = exp_avg_.narrow(0, s.flat, s.length), v = exp_avg_sq_.narrow(0, s.flat, s.length);
-    if (ps[s.param].decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
+    if (members_[s.param]->decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
     m.lerp_(grad, 1.0 - cfg_.beta1);
     v.mul_(cfg_.beta2).addcmul_(grad, grad, 1.0 - cfg_.beta2);
     at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(cfg_.eps);
@@ -112,12 +117,11 @@ void AdamW::fused_step(double lr, const at::Tensor& shard_gradient) {
   struct Group {
     std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
   } groups[2];
-  const auto& ps = params_.all();
   for (const Slice& s : slices_) {
-    const at::Tensor& whole = ps[s.param].tensor;
+    const at::Tensor& whole = members_[s.param]->tensor;
     const at::Tensor grad = gradient_of(s, shard_gradient);
     if (!grad.defined()) continue;
-    Group& group = groups[ps[s.param].decay && cfg_.weight_decay > 0 ? 1 : 0];
+    Group& group = groups[members_[s.param]->decay && cfg_.weight_decay > 0 ? 1 : 0];
     group.params.push_back(whole.view(-1).narrow(0, s.offset, s.length));
     group.grads.push_back(grad);
     group.exp_avg.push_back(exp_avg_.narrow(0, s.flat, s.length));
@@ -136,18 +140,17 @@ void AdamW::fused_step(double lr, const at::Tensor& shard_gradient) {
 
 at::Tensor AdamW::shard_of_parameters() const {
   at::Tensor out = at::zeros_like(exp_avg_);
-  const auto& ps = params_.all();
   for (const Slice& s : slices_)
-    out.narrow(0, s.flat, s.length).copy_(ps[s.param].tensor.detach().view(-1).narrow(0, s.offset, s.length));
+    out.narrow(0, s.flat, s.length).copy_(members_[s.param]->tensor.detach().view(-1).narrow(0, s.offset, s.length));
   return out;
 }
 
 void AdamW::set_parameters(const at::Tensor& all) const {
   at::NoGradGuard no_grad;
   int64_t start = 0;
-  for (const auto& p : params_.all()) {
-    const int64_t n = p.tensor.numel();
-    p.tensor.view(-1).copy_(all.narrow(0, start, n));
+  for (const Parameter* p : members_) {
+    const int64_t n = p->tensor.numel();
+    p->tensor.view(-1).copy_(all.narrow(0, start, n));
     start += n;
   }
 }
@@ -156,15 +159,15 @@ void AdamW::set_parameter_elements(int64_t begin, const at::Tensor& values) cons
   at::NoGradGuard no_grad;
   const int64_t end = begin + values.numel();
   int64_t start = 0;
-  for (const auto& p : params_.all()) {
-    const int64_t n = p.tensor.numel();
+  for (const Parameter* p : members_) {
+    const int64_t n = p->tensor.numel();
     const int64_t lo = std::max(start, begin), hi = std::min(start + n, end);
-    if (lo < hi) p.tensor.view(-1).narrow(0, lo - start, hi - lo).copy_(values.narrow(0, lo - begin, hi - lo));
+    if (lo < hi) p->tensor.view(-1).narrow(0, lo - start, hi - lo).copy_(values.narrow(0, lo - begin, hi - lo));
     start += n;
   }
 }
 
-void all_gather_parameters(const AdamW& optim, World& world) {
+void all_gather_parameters(const AdamW& optim, Group& world) {
   constexpr int64_t kPieces = 8;
   const ParameterShard& shard = optim.shard();
   const at::Tensor mine = optim.shard_of_parameters();
@@ -190,10 +193,11 @@ NamedTensors AdamW::state() const {
 NamedTensors AdamW::state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const {
   NamedTensors out;
   int64_t start = 0;
-  for (const auto& p : params_.all()) {
-    const int64_t n = p.tensor.numel();
-    out.emplace_back("exp_avg." + p.name, exp_avg_all.narrow(0, start, n).view(p.tensor.sizes()));
-    out.emplace_back("exp_avg_sq." + p.name, exp_avg_sq_all.narrow(0, start, n).view(p.tensor.sizes()));
+  for (const Parameter* p : members_) {
+    if (p->is_slice()) fail("AdamW::state: parameter '", p->name, "' is a slice; use state_stream");
+    const int64_t n = p->tensor.numel();
+    out.emplace_back("exp_avg." + p->name, exp_avg_all.narrow(0, start, n).view(p->tensor.sizes()));
+    out.emplace_back("exp_avg_sq." + p->name, exp_avg_sq_all.narrow(0, start, n).view(p->tensor.sizes()));
     start += n;
   }
   out.emplace_back("step", at::scalar_tensor(step_, at::kLong));
@@ -201,7 +205,8 @@ NamedTensors AdamW::state(const at::Tensor& exp_avg_all, const at::Tensor& exp_a
 }
 
 void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
-  const auto& ps = params_.all();
+  std::vector<Parameter> ps;
+  for (const Parameter* p : members_) ps.push_back(*p);
   auto get = [&](const std::string& name, const at::Tensor& like) {
     auto it = tensors.find(name);
     if (it == tensors.end()) fail(source, ": missing optimizer tensor '", name, "'");
@@ -225,43 +230,49 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const s
   step_ = get("step", at::scalar_tensor(0, at::kLong)).item<int64_t>();
 }
 
-TensorStream AdamW::state_stream(World& world) const {
+TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) const {
   TensorStream out;
-  const auto& ps = params_.all();
   for (const char* moment : {"exp_avg.", "exp_avg_sq."})
-    for (const auto& p : ps) out.specs.push_back({moment + p.name, exp_avg_.scalar_type(), p.tensor.sizes().vec()});
-  out.specs.push_back({"step", at::kLong, {}});
-  out.produce = [this, &world](const TensorStream::Sink& sink) {
+    for (const Parameter* p : members_) out.specs.push_back({moment + p->name, exp_avg_.scalar_type(), p->full_shape});
+  if (with_step) out.specs.push_back({"step", at::kLong, {}});
+  out.produce = [this, &world, slices, with_step](const TensorStream::Sink& sink) {
     const int64_t piece = (int64_t(16) << 20) / int64_t(exp_avg_.element_size());
-    const bool whole = shard_.begin == 0 && shard_.end == total_;  // one rank, or unsharded on each
+    // Member j of slice q's group owns elements [bounds[j], bounds[j + 1]) of the set laid flat
+    // (unsharded: member 0 owns them all, and every member holds a copy).
+    const bool whole = shard_.begin == 0 && shard_.end == total_;
+    const std::vector<int64_t> bounds = whole ? std::vector<int64_t>{0, total_} : shard_.bounds;
+    const int64_t owners = int64_t(bounds.size()) - 1;
     for (const at::Tensor* moment : {&exp_avg_, &exp_avg_sq_}) {
-      if (whole) {
-        if (world.root()) sink(moment->narrow(0, 0, total_));
-        continue;
-      }
-      for (int64_t r = 0; r + 1 < int64_t(shard_.bounds.size()); ++r) {
-        const int64_t share = shard_.bounds[size_t(r) + 1] - shard_.bounds[size_t(r)];
-        for (int64_t lo = 0; lo < share; lo += piece) {
-          const int64_t n = std::min(piece, share - lo);
-          if (r == world.rank() && world.root()) {
-            sink(moment->narrow(0, lo, n));
-          } else if (r == world.rank()) {
-            world.send(moment->narrow(0, lo, n), 0);
-          } else if (world.root()) {
-            at::Tensor received = at::empty({n}, moment->options());
-            world.recv(received, r);
-            sink(received);
+      int64_t start = 0;  // of the parameter in the set laid flat
+      for (const Parameter* p : members_) {
+        const int64_t n = p->tensor.numel();
+        for (int64_t q = 0; q < slices; ++q)  // the parameter's rows, slice after slice
+          for (int64_t j = 0; j < owners; ++j) {
+            const int64_t owner = q + j * slices;  // its world rank
+            const int64_t lo = std::max(start, bounds[size_t(j)]), hi = std::min(start + n, bounds[size_t(j) + 1]);
+            for (int64_t at = lo; at < hi; at += piece) {
+              const int64_t len = std::min(piece, hi - at);
+              const int64_t local = at - bounds[size_t(j)];  // in the owner's flat moments
+              if (owner == world.rank() && world.root()) {
+                sink(moment->narrow(0, local, len));
+              } else if (owner == world.rank()) {
+                world.send(moment->narrow(0, local, len), 0);
+              } else if (world.root()) {
+                at::Tensor received = at::empty({len}, moment->options());
+                world.recv(received, owner);
+                sink(received);
+              }
+            }
           }
-        }
+        start += n;
       }
     }
-    if (world.root()) sink(at::scalar_tensor(step_, at::kLong));
+    if (with_step && world.root()) sink(at::scalar_tensor(step_, at::kLong));
   };
   return out;
 }
 
 void AdamW::load_state(const SafetensorsReader& file) {
-  const auto& ps = params_.all();
   const std::string& source = file.path();
   auto check = [&](const std::string& name, at::IntArrayRef shape, at::ScalarType dtype) {
     const std::optional<TensorSpec> spec = file.spec(name);
@@ -269,29 +280,23 @@ void AdamW::load_state(const SafetensorsReader& file) {
     if (at::IntArrayRef(spec->shape) != shape || spec->dtype != dtype)
       fail(source, ": optimizer tensor '", name, "' has shape ", at::IntArrayRef(spec->shape), ", expected ", shape);
   };
-  if (file.tensors().size() != 2 * ps.size() + 1)
-    fail(source, ": holds ", file.tensors().size(), " optimizer tensors, this model needs ", 2 * ps.size() + 1);
-  for (const auto& p : ps) {  // every tensor is checked, whichever shard this rank takes
-    check("exp_avg." + p.name, p.tensor.sizes(), exp_avg_.scalar_type());
-    check("exp_avg_sq." + p.name, p.tensor.sizes(), exp_avg_.scalar_type());
+  for (const Parameter* p : members_) {  // every tensor is checked, whichever shard this rank takes
+    check("exp_avg." + p->name, p->full_shape, exp_avg_.scalar_type());
+    check("exp_avg_sq." + p->name, p->full_shape, exp_avg_.scalar_type());
   }
   check("step", {}, at::kLong);
   at::NoGradGuard no_grad;
   for (const Slice& s : slices_) {
-    const std::string& name = ps[s.param].name;
-    exp_avg_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg." + name, s.offset, s.length));
-    exp_avg_sq_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg_sq." + name, s.offset, s.length));
+    const Parameter& p = *members_[s.param];
+    const int64_t at_element = p.first_element() + s.offset;
+    exp_avg_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg." + p.name, at_element, s.length));
+    exp_avg_sq_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg_sq." + p.name, at_element, s.length));
   }
   step_ = file.read("step").item<int64_t>();
 }
 
-namespace {
-
-// Σ g² of one tensor: the squares rounded to float32 as the gradient is, summed in float64, so that
-// a sum taken in pieces (shard by shard, ZeRO-2) differs from it only in float64's last bits.
-// Squared 65,536 elements at a time: no copy of a whole gradient (or shard) is made.
 double sum_of_squares(const at::Tensor& g) {
-  constexpr int64_t kPiece = int64_t(1) << 16;
+  constexpr int64_t kPiece = int64_t(1) << 16;  // elements squared at a time
   const at::Tensor flat = g.reshape(-1);
   double sum = 0;
   for (int64_t lo = 0; lo < flat.numel(); lo += kPiece)
@@ -299,32 +304,26 @@ double sum_of_squares(const at::Tensor& g) {
   return sum;
 }
 
-// Scales by max_norm / (norm + 1e-6) when that is below 1 (torch.nn.utils.clip_grad_norm_'s rule).
-double clip_coefficient(double norm, double max_norm) {
-  return max_norm > 0 && std::isfinite(norm) ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
+void clip_to(double norm, double max_norm, const std::vector<at::Tensor>& gradients) {
+  if (max_norm <= 0 || !std::isfinite(norm)) return;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  at::NoGradGuard no_grad;
+  for (at::Tensor g : gradients)
+    if (g.defined()) g.mul_(coef);
 }
-
-}  // namespace
 
 double clip_grad_norm(ParameterStore& params, double max_norm) {
   at::NoGradGuard no_grad;
   double squares = 0;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params.all())
-    if (p.tensor.grad().defined()) squares += sum_of_squares(p.tensor.grad());
+    if (p.tensor.grad().defined()) {
+      squares += sum_of_squares(p.tensor.grad());
+      grads.push_back(p.tensor.mutable_grad());
+    }
   const double total = std::sqrt(squares);
-  if (const double coef = clip_coefficient(total, max_norm); coef < 1.0)
-    for (const auto& p : params.all())
-      if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(coef);
-  return total;
-}
-
-double clip_shard_gradient(at::Tensor& shard_gradient, double max_norm, World& world) {
-  at::NoGradGuard no_grad;
-  at::Tensor squares = at::empty({1}, at::kDouble);
-  squares.data_ptr<double>()[0] = sum_of_squares(shard_gradient);  // zero past the share
-  world.all_reduce_sum(squares);
-  const double total = std::sqrt(squares.data_ptr<double>()[0]);
-  if (const double coef = clip_coefficient(total, max_norm); coef < 1.0) shard_gradient.mul_(coef);
+  clip_to(total, max_norm, grads);
   return total;
 }
 

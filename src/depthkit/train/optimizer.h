@@ -22,7 +22,9 @@
 namespace depthkit {
 
 class ParameterStore;
+struct Parameter;
 class World;
+class Group;
 
 // The elements [begin, end) of the concatenated parameters that rank `rank` of `ranks` owns:
 // about ⌈total / ranks⌉ each, each boundary moved back to a multiple of 64 elements from the start
@@ -41,10 +43,13 @@ struct ParameterShard {
 
 class AdamW {
  public:
-  // The shards of these parameters (their sizes in registration order).
-  static std::vector<int64_t> sizes(const ParameterStore& params);
-  // State and updates for the elements of `shard` (default: every element).
-  AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard = std::nullopt);
+  // The sizes of `members` (indices into params.all(); empty: every parameter), in order.
+  static std::vector<int64_t> sizes(const ParameterStore& params, const std::vector<size_t>& members = {});
+  // State and updates for the elements of `shard` (default: every element) of the parameters
+  // `members` (default: all) laid end to end in registration order: one set of parameters that
+  // its ranks average alike (expert parallelism keeps two: the replicated ones and the experts).
+  AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard = std::nullopt,
+        const std::vector<size_t>& members = {});
   // Updates the shard's elements from the parameters' gradients, or from `shard_gradient`, the
   // shard's gradient laid flat [chunk] (ZeRO-2: train/sharded_gradients.h).
   void step(double lr, const at::Tensor& shard_gradient = {});
@@ -68,15 +73,20 @@ class AdamW {
   // every element: this optimizer's own (one rank), or every rank's, all-gathered and unpadded.
   NamedTensors state() const;
   NamedTensors state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const;
-  // The same state as a stream for the checkpoint (io/safetensors.h): every exp_avg, then every
-  // exp_avg_sq, in registration order, then step. Sharded, each rank's share is sent to rank 0
-  // in pieces of at most 16 MiB, rank after rank, in the file's order: no rank ever holds more
-  // than its shard and one piece. Every rank of `world` runs the producer.
-  TensorStream state_stream(World& world) const;
+  // The same state as a stream for the checkpoint (io/safetensors.h), tensors named and shaped as
+  // on one rank: every exp_avg, then every exp_avg_sq, in registration order, then (with_step)
+  // step. Sharded, each rank's share is sent to rank 0 in pieces of at most 16 MiB, in the file's
+  // order: no rank ever holds more than its shard and one piece. The set's ranks are
+  // world ranks q + j·slices, j the place in its data-parallel group, q < slices the slice of
+  // the parameters they hold (expert parallelism: rows q of P of every expert tensor; 1: whole).
+  // Every rank of `world` runs the producer.
+  TensorStream state_stream(World& world, int64_t slices = 1, bool with_step = true) const;
   // Takes the shard's elements from a checkpoint's full state.
   void load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
-  // The same from the file, reading the shard's elements only.
+  // The same from the file, reading the shard's elements only (of this rank's slice).
   void load_state(const SafetensorsReader& file);
+  // The parameters of this set, in order.
+  const std::vector<const Parameter*>& members() const { return members_; }
 
  private:
   // A parameter's part of the shard: elements [offset, offset + length) of parameter `param`, at
@@ -90,6 +100,7 @@ class AdamW {
   // (undefined when the parameter has none).
   at::Tensor gradient_of(const Slice& s, const at::Tensor& shard_gradient) const;
   ParameterStore& params_;
+  std::vector<const Parameter*> members_;
   OptimConfig cfg_;
   ParameterShard shard_;
   int64_t total_ = 0;
@@ -98,15 +109,19 @@ class AdamW {
   at::Tensor exp_avg_, exp_avg_sq_;
 };
 
-// ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank,
-// all-gathered in eight pieces so that the gathered copy is an eighth of the model at a time.
-void all_gather_parameters(const AdamW& optim, World& world);
+// ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank
+// of `group` (the set's data-parallel group), all-gathered in eight pieces so that the gathered
+// copy is an eighth of the set at a time.
+void all_gather_parameters(const AdamW& optim, Group& group);
 
 // Scales gradients so their global L2 norm is at most max_norm (max_norm 0: no clipping).
 // Returns the norm before clipping.
 double clip_grad_norm(ParameterStore& params, double max_norm);
-// The same for a gradient sharded over the ranks of `world` (ZeRO-2): the norm of every rank's
-// shard together, each shard scaled alike. A collective: every rank calls it.
-double clip_shard_gradient(at::Tensor& shard_gradient, double max_norm, World& world);
+// Σ g² of a tensor: squared in its dtype, summed in float64, a piece at a time (no whole copy).
+// Sums of pieces differ from the whole's only in float64's last bits, which the clipping
+// coefficient, a float32 scale, does not see.
+double sum_of_squares(const at::Tensor& g);
+// Scales the gradients by max_norm / (norm + 1e-6) when that is below 1 (torch's rule).
+void clip_to(double norm, double max_norm, const std::vector<at::Tensor>& gradients);
 
 }  // namespace depthkit

@@ -32,21 +32,21 @@ class GradientReady final : public torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-ShardedGradients::ShardedGradients(ParameterStore& params, const ParameterShard& shard, World& world,
-                                   int64_t bucket_bytes)
-    : params_(params), shard_(shard), world_(world) {
-  const auto& ps = params_.all();
+ShardedGradients::ShardedGradients(const std::vector<const Parameter*>& params, const ParameterShard& shard,
+                                   Group& group, int64_t bucket_bytes)
+    : params_(params), shard_(shard), group_(group) {
+  const auto& ps = params_;
   int64_t start = 0;
-  for (const auto& p : ps) {
+  for (const Parameter* p : ps) {
     offset_of_.push_back(start);
-    start += p.tensor.numel();
+    start += p->tensor.numel();
   }
   bucket_of_.resize(ps.size());
   // Whole parameters, last first, each bucket closed once it holds bucket_bytes.
   for (size_t i = ps.size(); i-- > 0;) {
-    const int64_t end = offset_of_[i] + ps[i].tensor.numel();
+    const int64_t end = offset_of_[i] + ps[i]->tensor.numel();
     if (buckets_.empty() || (buckets_.back().end - buckets_.back().begin) * int64_t(sizeof(float)) >= bucket_bytes)
-      buckets_.push_back({i + 1, i + 1, end, end});
+      buckets_.push_back({i + 1, i + 1, end, end, 0, {}});
     Bucket& b = buckets_.back();
     b.first_param = i;
     b.begin = offset_of_[i];
@@ -54,14 +54,14 @@ ShardedGradients::ShardedGradients(ParameterStore& params, const ParameterShard&
   }
   for (const Bucket& b : buckets_)
     largest_bucket_bytes_ = std::max(largest_bucket_bytes_, (b.end - b.begin) * int64_t(sizeof(float)));
-  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front().tensor.options();
+  const at::TensorOptions options = ps.empty() ? at::TensorOptions(at::kFloat) : ps.front()->tensor.options();
   gradient_ = at::zeros({shard_.chunk}, options.requires_grad(false));
   for (size_t i = 0; i < ps.size(); ++i)
-    torch::autograd::impl::set_post_acc_grad_hooks(ps[i].tensor, std::make_unique<GradientReady>(this, i));
+    torch::autograd::impl::set_post_acc_grad_hooks(ps[i]->tensor, std::make_unique<GradientReady>(this, i));
 }
 
 ShardedGradients::~ShardedGradients() {
-  for (const auto& p : params_.all()) torch::autograd::impl::post_acc_grad_hooks(p.tensor).reset();
+  for (const Parameter* p : params_) torch::autograd::impl::post_acc_grad_hooks(p->tensor).reset();
   for (InFlight& f : in_flight_) try {
       f.work->wait();
     } catch (...) {  // a failed job: its error is being reported already
@@ -72,7 +72,7 @@ void ShardedGradients::begin_step() { gradient_.zero_(); }
 
 void ShardedGradients::on_gradient(size_t param) {
   at::NoGradGuard no_grad;
-  const at::Tensor& tensor = params_.all()[param].tensor;
+  const at::Tensor& tensor = params_[param]->tensor;
   Bucket& b = buckets_[bucket_of_[param]];
   if (!b.buffer.defined()) b.buffer = at::zeros({b.end - b.begin}, gradient_.options());
   at::Tensor grad = tensor.grad();
@@ -99,11 +99,11 @@ void ShardedGradients::launch(Bucket& b) {
     const int64_t lo = std::clamp(shard_.bounds[size_t(r)], b.begin, b.end);
     const int64_t hi = std::clamp(shard_.bounds[size_t(r) + 1], b.begin, b.end);
     pieces.push_back(b.buffer.narrow(0, lo - b.begin, hi - lo));
-    if (r == world_.rank()) mine_begin = lo;
+    if (r == group_.rank()) mine_begin = lo;
   }
-  at::Tensor received = at::empty({pieces[size_t(world_.rank())].numel()}, gradient_.options());
+  at::Tensor received = at::empty({pieces[size_t(group_.rank())].numel()}, gradient_.options());
   while (in_flight_.size() >= kMaxInFlight) complete_oldest();
-  in_flight_.push_back({world_.reduce_scatter(pieces, received), b.buffer, received, mine_begin - shard_.begin});
+  in_flight_.push_back({group_.reduce_scatter(pieces, received), b.buffer, received, mine_begin - shard_.begin});
   b.buffer = at::Tensor();
   b.arrived = 0;
   ++next_launch_;

@@ -15,15 +15,17 @@
 
 namespace depthkit {
 
-class ParameterStore;
-class World;
+struct Parameter;
+class Group;
 class PendingCollective;
 
 class ShardedGradients {
  public:
-  // Buckets hold whole parameters in reverse registration order (the order backward produces
-  // them), about `bucket_bytes` each. Installs a post-accumulation hook on every parameter.
-  ShardedGradients(ParameterStore& params, const ParameterShard& shard, World& world, int64_t bucket_bytes);
+  // The gradients of `params` (one set, laid end to end in order as AdamW lays them; `shard`
+  // over the ranks of `group`). Buckets hold whole parameters in reverse order (the order backward
+  // produces them), about `bucket_bytes` each. Installs a post-accumulation hook on each one.
+  ShardedGradients(const std::vector<const Parameter*>& params, const ParameterShard& shard, Group& group,
+                   int64_t bucket_bytes);
   ~ShardedGradients();
   ShardedGradients(const ShardedGradients&) = delete;
   ShardedGradients& operator=(const ShardedGradients&) = delete;
@@ -58,9 +60,9 @@ class ShardedGradients {
   void launch(Bucket& b);
   void complete_oldest();
 
-  ParameterStore& params_;
+  std::vector<const Parameter*> params_;
   ParameterShard shard_;
-  World& world_;
+  Group& group_;
   std::vector<Bucket> buckets_;         // in launch order (the last parameters first)
   std::vector<size_t> bucket_of_;       // parameter → bucket
   std::vector<int64_t> offset_of_;      // parameter → its first element in the concatenation

@@ -20,8 +20,8 @@
 #include "depthkit/train/evaluate.h"
 #include "depthkit/train/metrics_log.h"
 #include "depthkit/train/optimizer.h"
+#include "depthkit/train/parameter_sets.h"
 #include "depthkit/train/schedule.h"
-#include "depthkit/train/sharded_gradients.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
@@ -220,8 +220,9 @@ void undo_start(RunDirectory& run) {
 
 // What every rank trains from: the model and its optimizer, fresh or from the checkpoint.
 struct StartState {
+  ExpertGroups experts;  // before the model: it holds this rank's experts only
   std::optional<Transformer> model;
-  std::optional<AdamW> optim;
+  std::unique_ptr<ParameterSets> sets;  // the parameters' groups, optimizers, gradient reduction
   TrainerState st;
   int64_t memory_base = 0;  // tensor bytes before the model: the summary's peak counts from here
 };
@@ -231,7 +232,7 @@ struct StartState {
 void start_from(const TrainOptions& opt, World& world, at::Device device, int64_t resume_step,
                 std::optional<Checkpoint>& ckpt, StartState& start) {
   const Config& cfg = opt.config;
-  const int64_t ranks = world.size();
+  start.experts = ExpertGroups::of(world, cfg);  // every rank forms its groups, whatever comes next
   std::exception_ptr error;
   try {
     if (!world.root() && resume_step >= 0)
@@ -243,15 +244,13 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
     TensorMemory::reset_peak();
     reset_device_peak(device);
     start.model.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat,
-                        compute_dtype_of(cfg.train));
+                        compute_dtype_of(cfg.train), start.experts.placement);
     start.model->set_recompute(cfg.train.recompute);
-    const std::vector<int64_t> sizes = AdamW::sizes(start.model->parameters());
-    start.optim.emplace(start.model->parameters(), cfg.optim,
-                        ParameterShard::of(sizes, cfg.train.zero ? world.rank() : 0, cfg.train.zero ? ranks : 1));
+    start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, start.experts);
     start.st.seed = cfg.train.seed;
     if (ckpt) {
       start.model->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
-      start.optim->load_state(*ckpt->optimizer);  // this rank's shard of it only
+      start.sets->load_optimizer(*ckpt->optimizer);  // this rank's shard of its slice only
       start.st = ckpt->state;
       restore_rng_state(start.st.rng_state, (ckpt->dir / "state.json").string());
     }
@@ -263,11 +262,9 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
   if (ckpt && !error) loaded = {{"checkpoint (state.json)", fingerprint(read_file(ckpt->dir / "state.json", 64u << 20))}};
   world.agree(!error, "start-up", loaded);
   if (error) std::rethrow_exception(error);
-  // Every rank starts from rank 0's parameters (they agree already: same seed, same checkpoint).
-  for (const auto& p : start.model->parameters().all()) {
-    at::Tensor data = p.tensor.detach();
-    world.broadcast(data);
-  }
+  // Every rank starts from its set's first rank's parameters (they agree already: same seed, same
+  // checkpoint).
+  start.sets->broadcast_parameters();
 }
 
 // ---- The step loop ----
@@ -306,32 +303,15 @@ class StepLoop {
   const StartInputs& inputs_;
   RunDirectory& run_;
   Transformer& model_;
-  AdamW& optim_;
+  ParameterSets& sets_;
   TrainerState& st_;
   const int64_t memory_base_;
   const bool root_;
   const int64_t ranks_, total_, global_batch_;
-  const std::unique_ptr<GradientReducer> reducer_;  // data parallel up to ZeRO-1; null under ZeRO-2
-  const std::unique_ptr<ShardedGradients> sharded_gradients_;  // ZeRO-2
-  const bool sharded_;  // ZeRO-1 or -2 across ranks: the parameters all-gathered after each step
   BatchLoader loader_;
   LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
   std::optional<MetricsLog> metrics_;  // rank 0's
 };
-
-std::vector<at::Tensor> tensors_of(const ParameterStore& params) {
-  std::vector<at::Tensor> tensors;
-  for (const auto& p : params.all()) tensors.push_back(p.tensor);
-  return tensors;
-}
-
-// ZeRO-2's buckets: an eighth of the gradients, between 64 KiB and 25 MiB (DDP's default bucket):
-// small models still free their gradients progressively, large ones send DDP-sized messages.
-int64_t gradient_bucket_bytes(const ParameterStore& params) {
-  int64_t bytes = 0;
-  for (const auto& p : params.all()) bytes += p.tensor.nbytes();
-  return std::clamp<int64_t>(bytes / 8, int64_t(64) << 10, int64_t(25) << 20);
-}
 
 StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inputs, RunDirectory& run,
                    StartState& start, int64_t total)
@@ -341,18 +321,13 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
       inputs_(inputs),
       run_(run),
       model_(*start.model),
-      optim_(*start.optim),
+      sets_(*start.sets),
       st_(start.st),
       memory_base_(start.memory_base),
       root_(world.root()),
       ranks_(world.size()),
       total_(total),
       global_batch_(ranks_ * cfg_.train.grad_accum * cfg_.train.micro_batch),
-      reducer_(cfg_.train.zero >= 2 ? nullptr : world.gradient_reducer(tensors_of(model_.parameters()))),
-      sharded_gradients_(cfg_.train.zero >= 2 ? std::make_unique<ShardedGradients>(model_.parameters(), optim_.shard(), world,
-                                                                                   gradient_bucket_bytes(model_.parameters()))
-                                              : nullptr),
-      sharded_(cfg_.train.zero && ranks_ > 1),
       loader_(inputs.train_data, cfg_.train.micro_batch, cfg_.model.seq_len,
               uint64_t(cfg_.train.data_seed >= 0 ? cfg_.train.data_seed : cfg_.train.seed), st_.data) {
   if (root_) {
@@ -366,13 +341,10 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
                  cfg_.residual.kind.c_str(), (long long)total_, (long long)cfg_.tokens_per_step(ranks_),
                  ranks_ > 1 ? cat(" on ", ranks_, " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
                  run_.checkpoint ? cat(", resuming at step ", st_.step).c_str() : "");
-    if (cfg_.train.zero)
-      std::fprintf(stderr, "ZeRO-%lld: AdamW state of %lld of %lld parameters per rank, %lld bytes%s\n",
-                   (long long)cfg_.train.zero, (long long)(optim_.shard().end - optim_.shard().begin),
-                   (long long)optim_.total_elements(), (long long)optim_.state_bytes(),
-                   sharded_gradients_ ? cat("; gradients ", sharded_gradients_->shard_bytes(), " bytes, buckets of up to ",
-                                            sharded_gradients_->bucket_bytes()).c_str()
-                                      : "");
+    if (cfg_.train.zero || cfg_.model.moe.expert_parallel > 1)
+      std::fprintf(stderr, "ZeRO-%lld%s: %s\n", (long long)cfg_.train.zero,
+                   cfg_.model.moe.expert_parallel > 1 ? cat(", experts over ", cfg_.model.moe.expert_parallel, " ranks").c_str() : "",
+                   sets_.describe().c_str());
   }
 }
 
@@ -425,7 +397,7 @@ StepLoop::Step StepLoop::step() {
   Step s;
   s.lr = learning_rate(cfg_.optim, st_.step, total_);
   model_.parameters().zero_grad();
-  if (sharded_gradients_) sharded_gradients_->begin_step();
+  sets_.begin_step();
   double loss_sum = 0;
   s.logged = (st_.step + 1) % cfg_.train.log_every == 0 || st_.step + 1 == total_;
   // MoE (docs/design.md, "Mixture of experts"): the micro-steps' LM loss, auxiliary loss, mean
@@ -437,17 +409,18 @@ StepLoop::Step StepLoop::step() {
   for (int64_t m = 0; m < accum; ++m) {
     // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
     const at::Tensor batch = loader_.next(world_.rank(), ranks_).to(inputs_.device);
-    if (reducer_) reducer_->begin_micro_step(m == accum - 1);
+    sets_.begin_micro_step(m == accum - 1);
     at::Tensor loss = model_.loss(batch) / double(accum);
-    if (reducer_) reducer_->before_backward();
+    sets_.before_backward();
     try {
       loss.backward();
-      if (sharded_gradients_) sharded_gradients_->finish_micro_step();
+      sets_.after_backward();
     } catch (const std::exception& e) {
       // The last micro-step's backward also averages the gradients across ranks (every
       // micro-step's, under ZeRO-2): a failure there that is not this rank's own (an
       // allocation) is the collective's.
-      if (ranks_ > 1 && (m == accum - 1 || sharded_gradients_) && !is_out_of_memory(e) && !dynamic_cast<const Error*>(&e))
+      if (ranks_ > 1 && sets_.communicates_in_backward(m == accum - 1) && !is_out_of_memory(e) &&
+          !dynamic_cast<const Error*>(&e))
         throw CollectiveError(one_line(e));
       throw;
     }
@@ -470,21 +443,14 @@ StepLoop::Step StepLoop::step() {
   s.loss = shared.data_ptr<double>()[0] / double(ranks_);
   for (size_t i = 0; i < moe_sum.size(); ++i) moe_sum[i] = shared.data_ptr<double>()[2 + i] / double(ranks_);
   s.signalled = shared.data_ptr<double>()[1] > 0;
-  at::Tensor shard_gradient;
-  if (sharded_gradients_) {  // the mean over ranks, as the data-parallel reducer gives it
-    shard_gradient = sharded_gradients_->gradient().div_(double(ranks_));
-    s.grad_norm = clip_shard_gradient(shard_gradient, cfg_.optim.grad_clip, world_);
-  } else {
-    s.grad_norm = clip_grad_norm(model_.parameters(), cfg_.optim.grad_clip);
-  }
+  s.grad_norm = sets_.clip(cfg_.optim.grad_clip);
   if (!std::isfinite(s.loss) || !std::isfinite(s.grad_norm)) {
     run_.diverged = true;
     auto last = find_checkpoint(run_.dir);
     fail("non-finite ", std::isfinite(s.loss) ? "gradient norm" : "loss", " at step ", st_.step + 1, " (loss ", s.loss,
          ", grad norm ", s.grad_norm, "); stopping. Last good checkpoint: ", last ? last->string() : "none");
   }
-  optim_.step(s.lr, shard_gradient);
-  if (sharded_) all_gather_parameters(optim_, world_);  // ZeRO-1 and -2
+  sets_.step(s.lr);
   return s;
 }
 
@@ -522,9 +488,7 @@ void StepLoop::checkpoint() {
   st_.config_toml = cfg_.to_toml();
   st_.global_batch = global_batch_;
   // Every rank takes part (the optimizer's shards travel to rank 0); rank 0 writes.
-  const NamedTensors weights = model_.parameters().named();
-  save_checkpoint(run_.dir, TensorStream::of(weights), optim_.state_stream(world_), st_, cfg_.train.keep_checkpoints,
-                  root_);
+  save_checkpoint(run_.dir, sets_.model_stream(), sets_.optimizer_stream(), st_, cfg_.train.keep_checkpoints, root_);
   run_.saved = true;
 }
 
@@ -563,9 +527,10 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
                             {"world_size", ranks_},
                             {"global_batch", global_batch_},
                             {"zero", cfg_.train.zero},
-                            {"optimizer_state_bytes_per_rank", optim_.state_bytes()},
-                            {"gradient_bytes_per_rank", sharded_gradients_ ? sharded_gradients_->shard_bytes()
-                                                                           : optim_.total_elements() * int64_t(sizeof(float))},
+                            {"optimizer_state_bytes_per_rank", sets_.optimizer_state_bytes()},
+                            {"gradient_bytes_per_rank", sets_.gradient_bytes()},
+                            {"gradient_bucket_bytes", sets_.bucket_bytes()},
+                            {"expert_parallel", cfg_.model.moe.expert_parallel},
                             {"recompute", cfg_.train.recompute}};
   if (step_seconds > 0) {  // measured only when this process trained (not when it only finished)
     summary["tokens_per_s"] = tokens_here / step_seconds;
@@ -628,6 +593,7 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
 
 void check_job_start(const TrainOptions& opt, int64_t ranks) {
   process_group_backend(opt.config.train);
+  check_layout(opt.config, ranks);
   // Every rank is local: the last one needs the most GPUs.
   const StartInputs inputs = open_start_inputs(opt, ranks - 1);
   Transformer::check_fits_in_memory(opt.config.model, opt.config.residual, 16, "training the model");
@@ -638,8 +604,16 @@ void check_job_start(const TrainOptions& opt, int64_t ranks) {
   }
 }
 
+void check_layout(const Config& cfg, int64_t ranks) {
+  const int64_t P = cfg.model.moe.expert_parallel;
+  if (ranks % P != 0)
+    fail("key 'moe.expert_parallel' (", P, ") must divide the number of ranks (", ranks, "): the experts are split over ",
+         P, " ranks at a time");
+}
+
 TrainResult train(const TrainOptions& opt) {
   const LaunchEnv& launch = opt.launch;
+  check_layout(opt.config, launch.world_size);  // every rank finds it alike, before the group forms
   if (launch.world_size == 1) {
     World one;
     return train_rank(opt, one);

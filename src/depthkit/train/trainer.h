@@ -42,6 +42,10 @@ TrainResult train(const TrainOptions& opt);
 // against the job (seed, data position, global batch). Writes nothing.
 void check_job_start(const TrainOptions& opt, int64_t ranks);
 
+// Refuses a layout of `ranks` ranks the config cannot take (moe.expert_parallel not dividing them),
+// in one line naming the keys.
+void check_layout(const Config& cfg, int64_t ranks);
+
 // The c10d backend train.backend names on train.device ("auto": nccl on cuda, gloo on cpu).
 std::string process_group_backend(const TrainConfig& train);
 
