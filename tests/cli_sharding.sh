@@ -50,15 +50,18 @@ compare recompute_zero2 zero2_2 --exact || fail "train.recompute = branch change
 # Per-rank memory on a model whose state outweighs its activations (5.4M parameters in 32 layers,
 # none over 66k, one sequence of 16 tokens a micro-step): gradients and AdamW state are 1/W each,
 # and the peak of 2 ranks exceeds that of 4 by 3 copies of the parameters x (1/2 - 1/4), give or
-# take the buckets in flight (Gloo's worker threads hold copies of a few, freed when they are
-# done: the 64 KiB buckets, a parameter each, keep that within 10 % of the difference).
+# take the buckets in flight (Gloo's worker threads hold copies of a few and free them when they
+# are done, which varies: the least peak of three runs is taken, and the 64 KiB buckets, a
+# parameter each, keep what is left within 10 % of the difference).
 MEM=(--config "$SRC/configs/tiny.toml" --set model.vocab_size=512 --set model.seq_len=16 --set model.d_model=128
      --set model.d_ff=256 --set model.n_heads=4 --set model.n_kv_heads=4 --set model.n_layers=32 --set data.dir=data
      --set train.micro_batch=1 --set train.eval_tokens=256 --set train.eval_every=0 --set train.checkpoint_every=0
      --set train.steps=2 --set train.threads=1 --set train.zero=2 --set train.bucket_bytes=65536)
-for ranks in 1 2 4; do
+for ranks in 1 2 2 2 4 4 4; do  # the least of three: a lingering buffer only ever adds
+  rm -rf mem_$ranks
   "$DK" train "${MEM[@]}" --run-dir mem_$ranks --nproc $ranks --set train.grad_accum=$((4 / ranks)) >/dev/null 2>mem.log \
     || { cat mem.log; fail "memory run on $ranks ranks"; }
+  json '["peak_tensor_bytes"]' <mem_$ranks/summary.json >>peaks_$ranks
 done
 python3 - <<'PY' || fail "ZeRO-2 per-rank memory does not follow the arithmetic"
 import json
@@ -68,9 +71,10 @@ for w in (2, 4):
     for key, copies in (("gradient_bytes_per_rank", 1), ("optimizer_state_bytes_per_rank", 2)):
         got, want = s[w][key], copies * full / w
         assert abs(got - want) <= copies * 64 * 4 * w, f"{key} on {w} ranks: {got}, expected {want}"
-drop = s[2]["peak_tensor_bytes"] - s[4]["peak_tensor_bytes"]
+peak = {w: min(int(x) for x in open(f"peaks_{w}").read().split()) for w in (1, 2, 4)}
+drop = peak[2] - peak[4]
 want = 3 * full * (1 / 2 - 1 / 4)
-print(f"peak per rank: {[s[w]['peak_tensor_bytes'] for w in (1, 2, 4)]}; 2 -> 4 ranks {drop}, arithmetic {want:.0f}")
+print(f"peak per rank: {[peak[w] for w in (1, 2, 4)]}; 2 -> 4 ranks {drop}, arithmetic {want:.0f}")
 slack = 8 * 65536 * 4  # eight buckets of one 65,536-element parameter
 assert slack < 0.15 * want
 assert abs(drop - want) <= slack, (drop, want, slack)

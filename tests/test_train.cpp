@@ -56,14 +56,14 @@ TEST_F(TrainTest, CheckpointRoundTrip) {
   EXPECT_EQ(ck.state.data.index, 16);
   EXPECT_EQ(parse_config(ck.state.config_toml, "state").to_toml(), o.config.to_toml());
   Transformer m(o.config.model, o.config.residual, at::kCPU, 99);
-  m.parameters().load(ck.model.tensors, "model.safetensors");
-  for (auto& [name, t] : m.parameters().named()) EXPECT_TRUE(at::equal(t, ck.model.tensors.at(name))) << name;
+  m.parameters().load(*ck.weights);
+  for (auto& [name, t] : m.parameters().named()) EXPECT_TRUE(at::equal(t, ck.weights->read(name))) << name;
   EXPECT_EQ(ck.optimizer->read("step").item<int64_t>(), 4);
   // Loading into a model of another shape names the tensor and both shapes.
   Config other = o.config;
   other.model.d_model = 48;
   Transformer wrong(other.model, other.residual, at::kCPU, 0);
-  expect_error([&] { wrong.parameters().load(ck.model.tensors, "model.safetensors"); },
+  expect_error([&] { wrong.parameters().load(*ck.weights); },
                {"model.safetensors", "'embedding'", "shape"});
 }
 
@@ -86,7 +86,8 @@ void expect_exact_resume(TrainOptions whole, TrainOptions part) {
   EXPECT_EQ(losses(whole.run_dir), losses(part.run_dir));
   auto ca = load_checkpoint(*find_checkpoint(whole.run_dir), true);
   auto cb = load_checkpoint(*find_checkpoint(part.run_dir), true);
-  for (auto& [name, t] : ca.model.tensors) EXPECT_TRUE(at::equal(t, cb.model.tensors.at(name))) << name;
+  for (const TensorSpec& t : ca.weights->tensors())
+    EXPECT_TRUE(at::equal(ca.weights->read(t.name), cb.weights->read(t.name))) << t.name;
   for (const TensorSpec& t : ca.optimizer->tensors())
     EXPECT_TRUE(at::equal(ca.optimizer->read(t.name), cb.optimizer->read(t.name))) << t.name;
 }

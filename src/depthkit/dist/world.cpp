@@ -440,11 +440,13 @@ World::~World() = default;
 
 void Group::all_reduce_sum(at::Tensor& t) {
   if (size() == 1) return;
+  count("all_reduce", t.nbytes());
   impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->allreduce(ts); });
 }
 
 void Group::broadcast(at::Tensor& t, int64_t root) {
   if (size() == 1) return;
+  if (rank_ == root) count("broadcast", t.nbytes());
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->broadcast(ts, opts); });
@@ -452,6 +454,7 @@ void Group::broadcast(at::Tensor& t, int64_t root) {
 
 at::Tensor Group::all_gather(const at::Tensor& shard) {
   if (size() == 1) return shard.clone();
+  count("all_gather", shard.nbytes());
   const at::Tensor in = shard.to(impl_->device).contiguous();
   at::Tensor out = at::empty({size() * in.numel()}, in.options());
   std::vector<std::vector<at::Tensor>> outs(1);
@@ -466,6 +469,7 @@ at::Tensor Group::all_to_all(const at::Tensor& input, const std::vector<int64_t>
   int64_t received = 0;
   for (int64_t n : recv_counts) received += n;
   if (size() == 1) return input.clone();
+  count("all_to_all", input.nbytes());
   const at::Tensor in = input.to(impl_->device).contiguous();
   std::vector<int64_t> out_shape = in.sizes().vec();
   out_shape[0] = received;
@@ -477,6 +481,7 @@ at::Tensor Group::all_to_all(const at::Tensor& input, const std::vector<int64_t>
 }
 
 void Group::send(const at::Tensor& t, int64_t dst) {
+  count("send", t.nbytes());
   std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
   impl_->wait(impl_->pg->send(ts, int(dst), 0));
 }
@@ -515,6 +520,7 @@ std::unique_ptr<PendingCollective> Group::reduce_scatter(const std::vector<at::T
     out.copy_(pieces[0]);
     return std::make_unique<Done>();
   }
+  for (const at::Tensor& piece : pieces) count("reduce_scatter", piece.nbytes());
   std::vector<at::Tensor> outs{out};
   std::vector<std::vector<at::Tensor>> ins{pieces};
   return std::make_unique<PendingWork>(impl_->pg->reduce_scatter(outs, ins),

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -102,6 +103,12 @@ class Group {
   std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,
                                                     int64_t bucket_bytes = 25 << 20);
 
+  // The bytes this member has handed to each kind of collective ("all_reduce", "all_to_all", ...),
+  // counted by the calls above (a group of one counts nothing); count() adds what the group's
+  // users send by other means (the Reducer's all-reduces).
+  const std::map<std::string, int64_t>& traffic() const { return traffic_; }
+  void count(const std::string& collective, int64_t bytes) { traffic_[collective] += bytes; }
+
  private:
   friend class World;
   struct Impl;
@@ -109,6 +116,7 @@ class Group {
   std::unique_ptr<Impl> impl_;
   std::vector<int64_t> members_;
   int64_t rank_ = 0;
+  std::map<std::string, int64_t> traffic_;
 };
 
 class World {

@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 
+#include "depthkit/io/safetensors.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit {
@@ -82,6 +83,25 @@ void ParameterStore::load(const std::map<std::string, at::Tensor>& tensors, cons
     const at::Tensor& whole = tensors.at(p.name);
     p.tensor.copy_(p.is_slice() ? whole.narrow(0, p.first_row, p.tensor.size(0)) : whole);
   }
+}
+
+void ParameterStore::load(const SafetensorsReader& file) {
+  const std::string& source = file.path();
+  for (const auto& p : params_) {
+    const std::optional<TensorSpec> spec = file.spec(p.name);
+    if (!spec) fail(source, ": missing tensor '", p.name, "'");
+    if (spec->shape != p.full_shape)
+      fail(source, ": tensor '", p.name, "' has shape ", at::IntArrayRef(spec->shape), ", the model needs ",
+           at::IntArrayRef(p.full_shape));
+    if (spec->dtype != p.tensor.scalar_type())
+      fail(source, ": tensor '", p.name, "' has dtype ", spec->dtype, ", the model needs ", p.tensor.scalar_type());
+  }
+  for (const TensorSpec& t : file.tensors())
+    if (std::none_of(params_.begin(), params_.end(), [&](const Parameter& p) { return p.name == t.name; }))
+      fail(source, ": unexpected tensor '", t.name, "' (not a parameter of this model)");
+  at::NoGradGuard no_grad;
+  for (auto& p : params_)
+    p.tensor.copy_(file.read_elements(p.name, p.first_element(), p.tensor.numel()).view(p.tensor.sizes()));
 }
 
 void ParameterStore::zero_grad() {

@@ -12,6 +12,8 @@
 
 namespace depthkit {
 
+class SafetensorsReader;
+
 enum class Init { Normal, Ones, Zeros, Constant, Identity };  // Identity: square matrices
 
 struct Parameter {
@@ -51,6 +53,8 @@ class ParameterStore {
   // Copies tensors in by name (a slice takes its rows); names, shapes and dtypes must match
   // exactly. `source` names the file.
   void load(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
+  // The same from a file, reading each parameter's own elements only (a slice's rows).
+  void load(const SafetensorsReader& file);
   void zero_grad();
   at::Device device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }

@@ -231,8 +231,12 @@ Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer) {
   Checkpoint c;
   c.dir = dir;
   c.state = load_trainer_state(dir);
-  c.model = load_safetensors((dir / "model.safetensors").string());
-  if (load_optimizer) c.optimizer.emplace((dir / "optimizer.safetensors").string());
+  if (load_optimizer) {
+    c.weights.emplace((dir / "model.safetensors").string());
+    c.optimizer.emplace((dir / "optimizer.safetensors").string());
+  } else {
+    c.model = load_safetensors((dir / "model.safetensors").string());
+  }
   return c;
 }
 

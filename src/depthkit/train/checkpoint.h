@@ -63,8 +63,10 @@ std::optional<fs::path> find_checkpoint(const fs::path& run_dir, const std::stri
 struct Checkpoint {
   fs::path dir;
   TrainerState state;
-  SafetensorsFile model;
-  std::optional<SafetensorsReader> optimizer;  // header read and checked, when load_optimizer
+  SafetensorsFile model;                     // the weights, whole (!load_optimizer: evaluation)
+  // To train from (load_optimizer): the files' headers read and checked; each rank then reads
+  // only what it holds (its experts' rows, its shard of the optimizer state).
+  std::optional<SafetensorsReader> weights, optimizer;
 };
 Checkpoint load_checkpoint(const fs::path& dir, bool load_optimizer);
 // A checkpoint's state.json alone (checked as load_checkpoint checks it), without its tensors.

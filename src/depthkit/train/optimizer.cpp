@@ -145,6 +145,17 @@ at::Tensor AdamW::shard_of_parameters() const {
   return out;
 }
 
+at::Tensor AdamW::shard_of_parameters(int64_t lo, int64_t length) const {
+  at::Tensor out = at::zeros({length}, exp_avg_.options());
+  for (const Slice& s : slices_) {  // the part of each slice inside [lo, lo + length)
+    const int64_t a = std::max(lo, s.flat), b = std::min(lo + length, s.flat + s.length);
+    if (a < b)
+      out.narrow(0, a - lo, b - a)
+          .copy_(members_[s.param]->tensor.detach().view(-1).narrow(0, s.offset + (a - s.flat), b - a));
+  }
+  return out;
+}
+
 void AdamW::set_parameters(const at::Tensor& all) const {
   at::NoGradGuard no_grad;
   int64_t start = 0;
@@ -168,13 +179,12 @@ void AdamW::set_parameter_elements(int64_t begin, const at::Tensor& values) cons
 }
 
 void all_gather_parameters(const AdamW& optim, Group& world) {
-  constexpr int64_t kPieces = 8;
+  constexpr int64_t kPieces = 32;
   const ParameterShard& shard = optim.shard();
-  const at::Tensor mine = optim.shard_of_parameters();
   const int64_t piece = (shard.chunk + kPieces - 1) / kPieces;
   for (int64_t lo = 0; lo < shard.chunk; lo += piece) {
     const int64_t len = std::min(piece, shard.chunk - lo);
-    const at::Tensor gathered = world.all_gather(mine.narrow(0, lo, len));  // [ranks · len]
+    const at::Tensor gathered = world.all_gather(optim.shard_of_parameters(lo, len));  // [ranks · len]
     for (size_t r = 0; r + 1 < shard.bounds.size(); ++r) {
       const int64_t share = shard.bounds[r + 1] - shard.bounds[r];
       const int64_t n = std::clamp<int64_t>(share - lo, 0, len);  // past the share: padding

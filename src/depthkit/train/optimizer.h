@@ -62,6 +62,8 @@ class AdamW {
   // The shard's elements of the parameters, flat [chunk]; and every element from [total] values
   // (the all-gathered shards, unpadded): the parameters after the ZeRO-1 all-gather.
   at::Tensor shard_of_parameters() const;
+  // Elements [lo, lo + length) of that flat shard (zero past the share), copied from the parameters.
+  at::Tensor shard_of_parameters(int64_t lo, int64_t length) const;
   void set_parameters(const at::Tensor& all) const;
   // Elements [begin, begin + values.numel()) of the concatenated parameters set from `values`.
   void set_parameter_elements(int64_t begin, const at::Tensor& values) const;
@@ -110,8 +112,8 @@ class AdamW {
 };
 
 // ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank
-// of `group` (the set's data-parallel group), all-gathered in eight pieces so that the gathered
-// copy is an eighth of the set at a time.
+// of `group` (the set's data-parallel group), all-gathered in 32 pieces, each copied from the
+// parameters as it goes, so that what is gathered is a 32nd of the set at a time.
 void all_gather_parameters(const AdamW& optim, Group& group);
 
 // Scales gradients so their global L2 norm is at most max_norm (max_norm 0: no clipping).

@@ -70,6 +70,7 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
   if (!routed->members.empty()) {
     expert_slices_ = cfg.model.moe.expert_parallel;
     expert_split_ = experts.split.get();
+    expert_replicas_ = experts.replicas.get();
     routed->group = experts.replicas.get();
     routed->slices = expert_slices_;
     sets_.push_back(std::move(routed));
@@ -112,8 +113,12 @@ void ParameterSets::begin_step() {
 }
 
 void ParameterSets::begin_micro_step(bool last) {
-  for (auto& set : sets_)
-    if (set->reducer) set->reducer->begin_micro_step(last);
+  for (auto& set : sets_) {
+    if (!set->reducer) continue;
+    set->reducer->begin_micro_step(last);
+    if (last && set->group->size() > 1)  // the Reducer all-reduces every gradient of the set once
+      set->group->count("all_reduce", set->optim->total_elements() * int64_t(sizeof(float)));
+  }
 }
 
 void ParameterSets::before_backward() {
@@ -124,6 +129,14 @@ void ParameterSets::before_backward() {
 void ParameterSets::after_backward() {
   for (auto& set : sets_)
     if (set->sharded) set->sharded->finish_micro_step();
+}
+
+std::map<std::string, int64_t> ParameterSets::traffic() const {
+  std::map<std::string, int64_t> out;
+  for (const Group* g : {&world_.all(), expert_split_, expert_replicas_})
+    if (g)
+      for (const auto& [name, bytes] : g->traffic()) out[name] += bytes;
+  return out;
 }
 
 double ParameterSets::clip(double max_norm) {

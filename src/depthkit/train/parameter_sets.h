@@ -67,6 +67,9 @@ class ParameterSets {
   int64_t gradient_bytes() const;         // this rank's, kept between micro-steps
   int64_t bucket_bytes() const;           // ZeRO-2's largest bucket (0 otherwise)
   std::string describe() const;           // one line for the run's start
+  // The bytes this rank has handed to each kind of collective, over all its groups (the
+  // Reducer's all-reduces counted as the gradients it averages).
+  std::map<std::string, int64_t> traffic() const;
 
  private:
   struct Set;
@@ -76,6 +79,7 @@ class ParameterSets {
   int64_t zero_ = 0;
   int64_t expert_slices_ = 1;  // P
   Group* expert_split_ = nullptr;
+  Group* expert_replicas_ = nullptr;
 };
 
 }  // namespace depthkit

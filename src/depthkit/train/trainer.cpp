@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
 
@@ -249,7 +250,7 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
     start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, start.experts);
     start.st.seed = cfg.train.seed;
     if (ckpt) {
-      start.model->parameters().load(ckpt->model.tensors, (ckpt->dir / "model.safetensors").string());
+      start.model->parameters().load(*ckpt->weights);
       start.sets->load_optimizer(*ckpt->optimizer);  // this rank's shard of its slice only
       start.st = ckpt->state;
       restore_rng_state(start.st.rng_state, (ckpt->dir / "state.json").string());
@@ -310,6 +311,7 @@ class StepLoop {
   const int64_t ranks_, total_, global_batch_;
   BatchLoader loader_;
   LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
+  std::map<std::string, int64_t> step_traffic_;  // bytes rank 0 handed to each collective in the steps
   std::optional<MetricsLog> metrics_;  // rank 0's
 };
 
@@ -359,7 +361,9 @@ TrainResult StepLoop::run() {
   while (st_.step < total_) {
     world_.set_step(st_.step);
     const auto step_start = std::chrono::steady_clock::now();
+    std::map<std::string, int64_t> traffic = sets_.traffic();
     const Step s = step();
+    for (const auto& [collective, bytes] : sets_.traffic()) step_traffic_[collective] += bytes - traffic[collective];
     step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     ++st_.step;
     st_.tokens_seen += tokens_per_step;
@@ -537,6 +541,10 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
     summary["peak_tensor_bytes"] = TensorMemory::peak_bytes() - memory_base_;  // CPU tensors
     if (!inputs_.device.is_cpu()) summary["peak_device_bytes"] = device_peak_bytes(inputs_.device);  // max_memory_allocated
     summary["peak_rss_bytes"] = peak_rss_bytes();
+    nlohmann::json traffic = nlohmann::json::object();  // rank 0's, per step, by collective
+    for (const auto& [collective, bytes] : step_traffic_)
+      traffic[collective] = bytes / std::max<int64_t>(1, int64_t(result.losses.size()));
+    summary["communication_bytes_per_step"] = traffic;
   }
   write_file_atomic(run_.dir / "summary.json", summary.dump(2) + "\n");
 }
