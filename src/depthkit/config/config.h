@@ -116,8 +116,8 @@ struct TrainConfig {
   std::string backend = "auto";
   int64_t zero = 0;
   double timeout_s = 300;
-  // ZeRO-2's gradient buckets, in bytes (DDP's bucket_cap_mb, DeepSpeed's reduce_bucket_size); a
-  // bucket holds whole parameters. 0: a 32nd of the gradients, between 64 KiB and 25 MiB.
+  // ZeRO's buckets, in bytes (DDP's bucket_cap_mb, DeepSpeed's reduce_bucket_size): ZeRO-2's
+  // gradient buckets (whole parameters each) and the parameters all-gathered at a time. 0: a quarter of the gradients, between 1 MiB and 25 MiB.
   int64_t bucket_bytes = 0;
   // Activations recomputed in backward instead of kept (docs/training.md, "Recomputation"):
   // "none" | "branch" (each attention and feed-forward branch; Transformer::set_recompute).

@@ -178,10 +178,9 @@ void AdamW::set_parameter_elements(int64_t begin, const at::Tensor& values) cons
   }
 }
 
-void all_gather_parameters(const AdamW& optim, Group& world) {
-  constexpr int64_t kPieces = 32;
+void all_gather_parameters(const AdamW& optim, Group& world, int64_t gathered_bytes) {
   const ParameterShard& shard = optim.shard();
-  const int64_t piece = (shard.chunk + kPieces - 1) / kPieces;
+  const int64_t piece = std::max<int64_t>(1, gathered_bytes / (int64_t(sizeof(float)) * world.size()));
   for (int64_t lo = 0; lo < shard.chunk; lo += piece) {
     const int64_t len = std::min(piece, shard.chunk - lo);
     const at::Tensor gathered = world.all_gather(optim.shard_of_parameters(lo, len));  // [ranks · len]

@@ -112,9 +112,10 @@ class AdamW {
 };
 
 // ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank
-// of `group` (the set's data-parallel group), all-gathered in 32 pieces, each copied from the
-// parameters as it goes, so that what is gathered is a 32nd of the set at a time.
-void all_gather_parameters(const AdamW& optim, Group& group);
+// of `group` (the set's data-parallel group), all-gathered in pieces of `gathered_bytes` from all
+// ranks together (ZeRO's buckets, train.bucket_bytes), each copied from the parameters as it goes:
+// no whole copy of the set is made.
+void all_gather_parameters(const AdamW& optim, Group& group, int64_t gathered_bytes);
 
 // Scales gradients so their global L2 norm is at most max_norm (max_norm 0: no clipping).
 // Returns the norm before clipping.

@@ -38,6 +38,7 @@ struct ParameterSets::Set {
   std::optional<AdamW> optim;
   std::unique_ptr<GradientReducer> reducer;         // ZeRO ≤ 1
   std::unique_ptr<ShardedGradients> sharded;        // ZeRO-2
+  int64_t bucket_bytes = 0;  // ZeRO's buckets: the reduce-scatters' and the all-gathers' size
   std::vector<at::Tensor> tensors(const ParameterStore& store) const {
     std::vector<at::Tensor> out;
     for (size_t i : members) out.push_back(store.all()[i].tensor);
@@ -47,14 +48,14 @@ struct ParameterSets::Set {
 
 namespace {
 
-// ZeRO-2's buckets (train.bucket_bytes, or by default a 32nd of the set's gradients, between 64 KiB and 25 MiB (DDP's default
-// bucket): small models still free their gradients progressively (the few buckets in flight are
-// a small part of them), large ones send DDP-sized messages).
+// ZeRO's buckets (a reduce-scatter's gradients, an all-gather's parameters): train.bucket_bytes, or a quarter of the set's gradients between 1 MiB and
+// 25 MiB (DDP's first and default bucket): few messages for a small model (each costs a
+// round-trip), DDP-sized ones for a large model, and never more than a few alive at once.
 int64_t gradient_bucket_bytes(const std::vector<at::Tensor>& tensors, int64_t configured) {
   if (configured > 0) return configured;
   int64_t bytes = 0;
   for (const at::Tensor& t : tensors) bytes += t.nbytes();
-  return std::clamp<int64_t>(bytes / 32, int64_t(64) << 10, int64_t(25) << 20);
+  return std::clamp<int64_t>(bytes / 4, int64_t(1) << 20, int64_t(25) << 20);
 }
 
 }  // namespace
@@ -82,9 +83,9 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
                        ParameterShard::of(AdamW::sizes(store, set->members), shard ? g.rank() : 0, shard ? g.size() : 1),
                        set->members);
     const std::vector<at::Tensor> tensors = set->tensors(store);
+    set->bucket_bytes = gradient_bucket_bytes(tensors, cfg.train.bucket_bytes);
     if (cfg.train.zero >= 2)
-      set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g,
-                                                         gradient_bucket_bytes(tensors, cfg.train.bucket_bytes));
+      set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g, set->bucket_bytes);
     else
       set->reducer = g.gradient_reducer(tensors);
   }
@@ -177,7 +178,7 @@ double ParameterSets::clip(double max_norm) {
 void ParameterSets::step(double lr) {
   for (auto& set : sets_) {
     set->optim->step(lr, set->sharded ? set->sharded->gradient() : at::Tensor());
-    if (zero_ >= 1 && set->group->size() > 1) all_gather_parameters(*set->optim, *set->group);
+    if (zero_ >= 1 && set->group->size() > 1) all_gather_parameters(*set->optim, *set->group, set->bucket_bytes);
   }
 }
 
