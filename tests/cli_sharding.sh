@@ -116,6 +116,9 @@ for kind in $kinds; do
 done
 grep -q "ZeRO-0, experts over 2 ranks: replicated: AdamW state of .*; experts: AdamW state of" ep2_dar.log \
   || fail "expert parallelism does not report its sets"
+# And one rank with the same micro-batches (accumulation 2).
+moe one_moe 1 --set residual.kind=dar
+compare ep2_dar one_moe --param-limit 1e-4 || fail "experts split over 2 ranks differ from one rank"
 
 # Layouts on 4 ranks (DAR): experts over 2 and over 4 ranks, with ZeRO-1 and -2, against data parallel;
 # with accumulation on 2 ranks against data parallel with the same micro-batches (the balancing

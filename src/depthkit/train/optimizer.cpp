@@ -9,9 +9,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/square.h>
 #include <ATen/ops/sum.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -138,12 +136,7 @@ void AdamW::fused_step(double lr, const at::Tensor& shard_gradient) {
   }
 }
 
-at::Tensor AdamW::shard_of_parameters() const {
-  at::Tensor out = at::zeros_like(exp_avg_);
-  for (const Slice& s : slices_)
-    out.narrow(0, s.flat, s.length).copy_(members_[s.param]->tensor.detach().view(-1).narrow(0, s.offset, s.length));
-  return out;
-}
+at::Tensor AdamW::shard_of_parameters() const { return shard_of_parameters(0, shard_.chunk); }
 
 at::Tensor AdamW::shard_of_parameters(int64_t lo, int64_t length) const {
   at::Tensor out = at::zeros({length}, exp_avg_.options());

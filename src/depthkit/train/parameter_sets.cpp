@@ -36,8 +36,8 @@ struct ParameterSets::Set {
   Group* group = nullptr;
   int64_t slices = 1;  // P for the experts: each rank holds one slice of P
   std::optional<AdamW> optim;
-  std::unique_ptr<GradientReducer> reducer;         // ZeRO ≤ 1
-  std::unique_ptr<ShardedGradients> sharded;        // ZeRO-2
+  std::unique_ptr<GradientReducer> reducer;   // ZeRO ≤ 1
+  std::unique_ptr<ShardedGradients> sharded;  // ZeRO-2
   int64_t bucket_bytes = 0;  // ZeRO's buckets: the reduce-scatters' and the all-gathers' size
   std::vector<at::Tensor> tensors(const ParameterStore& store) const {
     std::vector<at::Tensor> out;
@@ -48,10 +48,11 @@ struct ParameterSets::Set {
 
 namespace {
 
-// ZeRO's buckets (a reduce-scatter's gradients, an all-gather's parameters): train.bucket_bytes, or a quarter of the set's gradients between 1 MiB and
-// 25 MiB (DDP's first and default bucket): few messages for a small model (each costs a
-// round-trip), DDP-sized ones for a large model, and never more than a few alive at once.
-int64_t gradient_bucket_bytes(const std::vector<at::Tensor>& tensors, int64_t configured) {
+// ZeRO's buckets (a reduce-scatter's gradients, an all-gather's parameters): train.bucket_bytes,
+// or a quarter of the set's gradients between 1 MiB and 25 MiB (DDP's first and default bucket):
+// few messages for a small model (each costs a round-trip), DDP-sized ones for a large model, and
+// never more than a few alive at once.
+int64_t bucket_bytes_for(const std::vector<at::Tensor>& tensors, int64_t configured) {
   if (configured > 0) return configured;
   int64_t bytes = 0;
   for (const at::Tensor& t : tensors) bytes += t.nbytes();
@@ -83,7 +84,7 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
                        ParameterShard::of(AdamW::sizes(store, set->members), shard ? g.rank() : 0, shard ? g.size() : 1),
                        set->members);
     const std::vector<at::Tensor> tensors = set->tensors(store);
-    set->bucket_bytes = gradient_bucket_bytes(tensors, cfg.train.bucket_bytes);
+    set->bucket_bytes = bucket_bytes_for(tensors, cfg.train.bucket_bytes);
     if (cfg.train.zero >= 2)
       set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g, set->bucket_bytes);
     else
