@@ -139,8 +139,7 @@ struct World::Impl {
   }
 
   at::Device device = at::kCPU;  // where the backend's tensors live (CUDA for NCCL)
-  std::string backend, master_addr;  // what make_group needs for further groups
-  int64_t local_rank = 0;
+  std::string backend, master_addr;  // what World::group needs for further groups
 
   // A new connection to the job's store that gives up after a few seconds: for reading what the
   // other ranks published once something failed (the job's own connection may be mid-request,
@@ -305,13 +304,14 @@ struct World::Impl {
 
 namespace {
 
-// A process group of `size` ranks on the job's backend, meeting through `store`: Gloo over TCP
-// (loopback when the job's address is), or NCCL on this rank's GPU.
+// The job's backend: "gloo" or "nccl", the store's address, this rank's device, the timeout.
 struct Backend {
   std::string name, master_addr;
   at::Device device;
   std::chrono::milliseconds timeout;
 };
+// A process group of `size` ranks on the job's backend, meeting through `store`: Gloo over TCP
+// (loopback when the job's address is), or NCCL on this rank's GPU.
 c10::intrusive_ptr<c10d::ProcessGroup> make_process_group(const Backend& w, const c10::intrusive_ptr<c10d::Store>& store,
                                                           int64_t rank, int64_t size);
 
@@ -418,7 +418,6 @@ World::World(const LaunchEnv& env, const std::string& backend, double timeout_s,
     fail("the ranks were started differently (every rank of a job needs the same config and data); ", d);
   w.backend = backend;
   w.master_addr = env.master_addr;
-  w.local_rank = env.local_rank;
   if (backend == "nccl") w.device = at::Device(at::kCUDA, c10::DeviceIndex(env.local_rank));
   try {
     w.group = make_process_group({w.backend, w.master_addr, w.device, w.timeout},
