@@ -297,13 +297,12 @@ void AdamW::load_state(const SafetensorsReader& file) {
   step_ = file.read("step").item<int64_t>();
 }
 
-double sum_of_squares(const at::Tensor& g) {
+void add_sum_of_squares(at::Tensor& sum, const at::Tensor& g) {
   constexpr int64_t kPiece = int64_t(1) << 16;  // elements squared at a time
   const at::Tensor flat = g.reshape(-1);
-  double sum = 0;
+  if (!sum.defined()) sum = at::zeros({}, flat.options().dtype(at::kDouble));
   for (int64_t lo = 0; lo < flat.numel(); lo += kPiece)
-    sum += at::sum(at::square(flat.narrow(0, lo, std::min(kPiece, flat.numel() - lo))), at::kDouble).item<double>();
-  return sum;
+    sum.add_(at::sum(at::square(flat.narrow(0, lo, std::min(kPiece, flat.numel() - lo))), at::kDouble));
 }
 
 void clip_to(double norm, double max_norm, const std::vector<at::Tensor>& gradients) {
@@ -317,14 +316,14 @@ void clip_to(double norm, double max_norm, const std::vector<at::Tensor>& gradie
 
 double clip_grad_norm(ParameterStore& params, double max_norm) {
   at::NoGradGuard no_grad;
-  double squares = 0;
+  at::Tensor squares;
   std::vector<at::Tensor> grads;
   for (const auto& p : params.all())
     if (p.tensor.grad().defined()) {
-      squares += sum_of_squares(p.tensor.grad());
+      add_sum_of_squares(squares, p.tensor.grad());
       grads.push_back(p.tensor.mutable_grad());
     }
-  const double total = std::sqrt(squares);
+  const double total = squares.defined() ? std::sqrt(squares.item<double>()) : 0.0;  // one synchronisation
   clip_to(total, max_norm, grads);
   return total;
 }

@@ -120,10 +120,11 @@ void all_gather_parameters(const AdamW& optim, Group& group, int64_t gathered_by
 // Scales gradients so their global L2 norm is at most max_norm (max_norm 0: no clipping).
 // Returns the norm before clipping.
 double clip_grad_norm(ParameterStore& params, double max_norm);
-// Σ g² of a tensor: squared in its dtype, summed in float64, a piece at a time (no whole copy).
-// Sums of pieces differ from the whole's only in float64's last bits, which the clipping
-// coefficient, a float32 scale, does not see.
-double sum_of_squares(const at::Tensor& g);
+// Adds Σ g² to `sum` (a float64 scalar on g's device, undefined for 0): g squared in its dtype,
+// summed in float64 a piece at a time (no whole copy), on the device (no synchronisation). Sums
+// of pieces differ from the whole's only in float64's last bits, which the clipping coefficient,
+// a float32 scale, does not see.
+void add_sum_of_squares(at::Tensor& sum, const at::Tensor& g);
 // Scales the gradients by max_norm / (norm + 1e-6) when that is below 1 (torch's rule).
 void clip_to(double norm, double max_norm, const std::vector<at::Tensor>& gradients);
 

@@ -3,6 +3,8 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -144,9 +146,9 @@ std::map<std::string, int64_t> ParameterSets::traffic() const {
 double ParameterSets::clip(double max_norm) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients;
-  at::Tensor squares = at::empty({2}, at::kDouble);  // [replicated on every rank, split over ranks]
-  double* sq = squares.data_ptr<double>();
-  sq[0] = sq[1] = 0;
+  // Σ g² on the device (read once): of what every rank holds whole, and of what is split over ranks.
+  const at::TensorOptions on_device = at::TensorOptions(at::kDouble).device(params_.device());
+  at::Tensor whole = at::zeros({}, on_device), split = at::zeros({}, on_device);
   for (auto& set : sets_) {
     // The mean over all W ranks. An expert's gradient on a rank already sums the contributions of
     // the P ranks that sent it tokens, and its group (the W / P ranks holding the same experts)
@@ -155,23 +157,24 @@ double ParameterSets::clip(double max_norm) {
     if (set->sharded) {
       at::Tensor& g = set->sharded->gradient();
       g.div_(double(set->group->size() * set->slices));
-      sq[1] += sum_of_squares(g);  // every element in one rank's shard only
+      add_sum_of_squares(split, g);  // every element in one rank's shard only
       gradients.push_back(g);
       continue;
     }
     for (at::Tensor t : set->tensors(params_)) {
       if (!t.grad().defined()) continue;
       if (set->slices > 1) t.mutable_grad().div_(double(set->slices));
-      (set->slices > 1 ? sq[1] : sq[0]) += sum_of_squares(t.grad());
+      add_sum_of_squares(set->slices > 1 ? split : whole, t.grad());
       gradients.push_back(t.mutable_grad());
     }
   }
   // Shards add up over every rank; expert slices (whole on each replica) over the ranks that
   // split the experts; what every rank holds whole counts once.
-  at::Tensor split = squares.narrow(0, 1, 1).clone();
-  if (zero_ >= 2) world_.all_reduce_sum(split);
-  else if (expert_split_) expert_split_->all_reduce_sum(split);
-  const double total = std::sqrt(sq[0] + split.data_ptr<double>()[0]);
+  const at::Tensor sums = at::stack({whole, split}).to(at::kCPU);
+  at::Tensor split_sum = sums.narrow(0, 1, 1).clone();
+  if (zero_ >= 2) world_.all_reduce_sum(split_sum);
+  else if (expert_split_) expert_split_->all_reduce_sum(split_sum);
+  const double total = std::sqrt(sums.data_ptr<double>()[0] + split_sum.data_ptr<double>()[0]);
   clip_to(total, max_norm, gradients);
   return total;
 }
