@@ -255,15 +255,7 @@ TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) c
             for (int64_t at = lo; at < hi; at += piece) {
               const int64_t len = std::min(piece, hi - at);
               const int64_t local = at - bounds[size_t(j)];  // in the owner's flat moments
-              if (owner == world.rank() && world.root()) {
-                sink(moment->narrow(0, local, len));
-              } else if (owner == world.rank()) {
-                world.send(moment->narrow(0, local, len), 0);
-              } else if (world.root()) {
-                at::Tensor received = at::empty({len}, moment->options());
-                world.recv(received, owner);
-                sink(received);
-              }
+              relay_to_root(world, owner, moment->narrow(0, local, len), sink);
             }
           }
         start += n;
@@ -272,6 +264,18 @@ TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) c
     if (with_step && world.root()) sink(at::scalar_tensor(step_, at::kLong));
   };
   return out;
+}
+
+void relay_to_root(World& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink) {
+  if (owner == world.rank() && world.root()) {
+    sink(piece);
+  } else if (owner == world.rank()) {
+    world.send(piece, 0);
+  } else if (world.root()) {
+    at::Tensor received = at::empty(piece.sizes(), piece.options().requires_grad(false));
+    world.recv(received, owner);
+    sink(received);
+  }
 }
 
 void AdamW::load_state(const SafetensorsReader& file) {

@@ -111,6 +111,11 @@ class AdamW {
   at::Tensor exp_avg_, exp_avg_sq_;
 };
 
+// One piece of a checkpoint's stream, held by world rank `owner`: rank 0 hands it to `sink`,
+// received from the owner when another rank holds it. Every rank passes a tensor of the piece's
+// shape and dtype (its own copy of it, on the owner); every rank calls this for every piece.
+void relay_to_root(World& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink);
+
 // ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank
 // of `group` (the set's data-parallel group), all-gathered in pieces of `gathered_bytes` from all
 // ranks together (ZeRO's buckets, train.bucket_bytes), each copied from the parameters as it goes:

@@ -196,17 +196,7 @@ TensorStream ParameterSets::model_stream() {
         continue;
       }
       // Rows of slice q are held by world rank q (the first block of ranks splits the experts).
-      for (int64_t q = 0; q < expert_slices_; ++q) {
-        if (q == world_.rank() && world_.root()) {
-          sink(p.tensor.detach());
-        } else if (q == world_.rank()) {
-          world_.send(p.tensor.detach(), 0);
-        } else if (world_.root()) {
-          at::Tensor received = at::empty(p.tensor.sizes(), p.tensor.options().requires_grad(false));
-          world_.recv(received, q);
-          sink(received);
-        }
-      }
+      for (int64_t q = 0; q < expert_slices_; ++q) relay_to_root(world_, q, p.tensor.detach(), sink);
     }
   };
   return out;
