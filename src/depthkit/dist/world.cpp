@@ -465,10 +465,10 @@ at::Tensor Group::all_gather(const at::Tensor& shard) {
 
 at::Tensor Group::all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts,
                              const std::vector<int64_t>& recv_counts) {
-  int64_t received = 0;
-  for (int64_t n : recv_counts) received += n;
   if (size() == 1) return input.clone();
   count("all_to_all", input.nbytes());
+  int64_t received = 0;
+  for (int64_t n : recv_counts) received += n;
   const at::Tensor in = input.to(impl_->device).contiguous();
   std::vector<int64_t> out_shape = in.sizes().vec();
   out_shape[0] = received;

@@ -1,15 +1,12 @@
 #include "depthkit/model/expert_parallel.h"
 
-#include <ATen/ops/arange.h>
 #include <ATen/ops/argsort.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <vector>
 
 #include "depthkit/dist/world.h"
-#include "depthkit/util/error.h"
 
 namespace depthkit {
 

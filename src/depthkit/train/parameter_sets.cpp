@@ -1,8 +1,6 @@
 #include "depthkit/train/parameter_sets.h"
 
-#include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
