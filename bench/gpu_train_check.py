@@ -196,10 +196,10 @@ class Check:
                         for k in self.kinds}
         self.data = {"status": "not run"}
         self.bench_runs = []
-        # DAR again with its gradients sharded (ZeRO-2: hooks, buckets, reduce-scatter) and its
-        # branches recomputed, on one device: the same losses as the plain run (issue 34's check;
-        # ZeRO-3 is not built yet).
-        self.sharded = {"status": "not run", "sets": ["train.zero=2", "train.recompute=branch"]}
+        # DAR again with its parameters and gradients sharded (ZeRO-3: hooks, buckets, reduce-scatter,
+        # each branch gathered around its use, the next one prefetched) and its branches
+        # recomputed, on one device: the same losses as the plain run (issue 34's check).
+        self.sharded = {"status": "not run", "sets": ["train.zero=3", "train.recompute=branch"]}
 
     def left(self, want):
         """Seconds a stage may take: `want`, or what is left of the budget."""
@@ -323,7 +323,7 @@ class Check:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
     def train_sharded(self, data_dir):
-        """DAR with train.zero = 2 and train.recompute = branch against its plain run: per-step losses."""
+        """DAR with train.zero = 3 and train.recompute = branch against its plain run: per-step losses."""
         plain = self.entries.get("dar")
         if plain is None or not plain["ok"] or data_dir is None:
             self.sharded.update(status="skipped", error="needs dar trained first")

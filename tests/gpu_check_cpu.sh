@@ -63,8 +63,9 @@ assert kinds["residual"]["overhead_vs_residual"] == 0 and kinds["residual"]["ref
 dar = kinds["dar"]
 assert dar["reference_operators"] == ["dar_read"] and dar["overhead_vs_residual"] is not None, dar
 assert s["config"]["impl"] == "fused", s["config"]
-sh = s["sharded"]  # ZeRO-2 and recomputation on one rank: float32 on the CPU changes no bit
+sh = s["sharded"]  # ZeRO-3 and recomputation on one rank: float32 on the CPU changes no bit
 assert sh["status"] == "ok" and sh["loss_max_relative_difference"] == 0.0, sh
+assert sh["summary"]["zero"] == 3 and sh["summary"]["recompute"] == "branch", sh
 bogus = kinds["bogus"]
 assert not bogus["ok"] and "residual.kind" in bogus["error"] and bogus["train_error"], bogus
 # bogus fails the interleaved bench, so each kind is timed beside residual: dar's run passes (the

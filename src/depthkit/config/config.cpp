@@ -84,11 +84,11 @@ std::vector<Field> fields(Config& c) {
       {"train", "threads", &t.threads, 0, 4096},
       {"train", "device", &t.device, -kInf, kInf, {"cpu", "cuda"}},
       {"train", "backend", &t.backend, -kInf, kInf, {"auto", "gloo", "nccl"}},
-      {"train", "zero", &t.zero, 0, 2},
+      {"train", "zero", &t.zero, 0, 3},
       {"train", "bucket_bytes", &t.bucket_bytes, 0, kInf},
       {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},
       {"train", "dtype", &t.dtype, -kInf, kInf, {"float32", "bfloat16"}},
-      {"train", "recompute", &t.recompute, -kInf, kInf, {"none", "branch"}},
+      {"train", "recompute", &t.recompute, -kInf, kInf, {"none", "branch", "layer"}},
       {"optim", "lr", &o.lr, 0, 10},
       {"optim", "min_lr", &o.min_lr, 0, 10},
       {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},
@@ -226,6 +226,9 @@ void validate(const Config& c, const std::string& where, const ConfigRules& rule
                 checked_mul(m.d_model, 12, where, "model.d_model x 12"), where,
                 "the shared experts' bytes (3 x moe.n_shared_experts x moe.shared_d_ff x model.d_model x 4)");
   }
+  if (c.train.zero == 3 && c.train.recompute == "none")
+    fail(where, ": key 'train.zero' is 3, which needs key 'train.recompute' = \"branch\" or \"layer\" (got \"none\"): "
+         "ZeRO-3 gathers a branch's parameters again in backward, where the branch runs again");
   if (!m.moe.enabled() && m.moe.expert_parallel > 1)
     fail(where, ": key 'moe.expert_parallel' is ", m.moe.expert_parallel, " but the model has no experts (moe.n_experts = 0)");
   if (rules.check) rules.check(c, where);  // the kind's own checks, from above (ConfigRules)

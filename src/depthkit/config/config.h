@@ -111,16 +111,19 @@ struct TrainConfig {
   std::string dtype = "float32";
   // Many processes (docs/training.md): the c10d backend (auto: nccl on cuda, gloo on cpu), ZeRO
   // stage (0: every rank keeps all AdamW state; 1: the AdamW state sharded across ranks; 2: the
-  // gradients too, train/sharded_gradients.h), and the bound on every
+  // gradients too, train/sharded_gradients.h; 3: the parameters too, each branch's gathered around
+  // its use, train/parameter_sets.h; needs recompute), and the bound on every
   // collective and on the rendezvous, after which a lost rank stops the job.
   std::string backend = "auto";
   int64_t zero = 0;
   double timeout_s = 300;
   // ZeRO's buckets, in bytes (DDP's bucket_cap_mb, DeepSpeed's reduce_bucket_size): ZeRO-2's
-  // gradient buckets (whole parameters each) and the parameters all-gathered at a time. 0: a quarter of the gradients, between 1 MiB and 25 MiB.
+  // gradient buckets (whole parameters each) and the parameters all-gathered at a time. 0: a
+  // quarter of the gradients (of a set; of a branch under ZeRO-3), between 1 MiB and 25 MiB.
   int64_t bucket_bytes = 0;
   // Activations recomputed in backward instead of kept (docs/training.md, "Recomputation"):
-  // "none" | "branch" (each attention and feed-forward branch; Transformer::set_recompute).
+  // "none" | "branch" (each attention and feed-forward branch) | "layer" (each layer with the
+  // pathway's reads and writes; Transformer::set_recompute).
   std::string recompute = "none";
 };
 

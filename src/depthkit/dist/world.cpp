@@ -526,6 +526,26 @@ std::unique_ptr<PendingCollective> Group::reduce_scatter(const std::vector<at::T
                                        [impl = impl_.get()](const c10::intrusive_ptr<c10d::Work>& w) { impl->wait(w); });
 }
 
+std::unique_ptr<PendingCollective> Group::all_gather_into(const at::Tensor& shard, at::Tensor out) {
+  if (shard.dim() != 1 || out.dim() != 1 || out.numel() != size() * shard.numel() || !shard.is_contiguous() ||
+      !out.is_contiguous())
+    fail("Group::all_gather_into: a shard of ", shard.sizes(), " into ", out.sizes(), " for ", size(),
+         " members; want 1-D contiguous tensors, the output size() times the shard");
+  if (size() == 1) {
+    out.copy_(shard);
+    return std::make_unique<Done>();
+  }
+  if (shard.device() != impl_->device || out.device() != impl_->device)
+    fail("Group::all_gather_into: tensors on ", shard.device(), " and ", out.device(), ", the process group's are on ",
+         impl_->device);
+  count("all_gather", shard.nbytes());
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int64_t r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * shard.numel(), shard.numel()));
+  std::vector<at::Tensor> ins{shard};
+  return std::make_unique<PendingWork>(impl_->pg->allgather(outs, ins),
+                                       [impl = impl_.get()](const c10::intrusive_ptr<c10d::Work>& w) { impl->wait(w); });
+}
+
 std::unique_ptr<Group> World::group(const std::string& name, const std::vector<int64_t>& members) {
   const auto place = std::find(members.begin(), members.end(), rank_);
   if (place == members.end() || !std::is_sorted(members.begin(), members.end()))

@@ -88,6 +88,9 @@ class Group {
   void broadcast(at::Tensor& t, int64_t root = 0);  // root: a place among the members
   // Every member's `shard` (1-D, the same length on every member) concatenated in member order.
   at::Tensor all_gather(const at::Tensor& shard);
+  // The same, started and not waited for: into `out` ([size() · shard length]), both on the
+  // backend's device and alive until wait() (ZeRO-3's prefetch).
+  std::unique_ptr<PendingCollective> all_gather_into(const at::Tensor& shard, at::Tensor out);
   // Starts a summing reduce-scatter: `out` receives the sum over members of their pieces[rank()].
   // pieces holds one 1-D tensor per member, pieces[i] as long as member i's `out` (lengths may
   // differ, zero included). Alone, out = pieces[0]. The tensors must stay alive until wait().

@@ -14,6 +14,7 @@
 
 #include "depthkit/model/recompute.h"
 #include "depthkit/nn/precision.h"
+#include "depthkit/ops/shared_source.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/memory.h"
 
@@ -35,7 +36,7 @@ at::ScalarType compute_dtype_of(const TrainConfig& train) {
 
 Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device,
                          uint64_t seed, at::ScalarType dtype, std::optional<at::ScalarType> compute_dtype,
-                         const ExpertPlacement& experts)
+                         const ExpertPlacement& experts, const BranchBuilt& built)
     : cfg_(model), compute_(compute_dtype.value_or(dtype)), params_(device, seed, dtype), ops_(model.impl, device.type()) {
   // The dtypes the fused operators' kernels take (ops/cpu/kernel_math.h).
   if (compute_ != at::kFloat && compute_ != at::kDouble && compute_ != at::kBFloat16)
@@ -49,8 +50,17 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
   if (!device.is_meta()) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
   embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
+  // Each branch's parameters, by their names' prefix (layers.i.attention, layers.i.feed_forward).
+  branch_members_.resize(size_t(cfg_.n_branches() + 1));
+  auto branch_built = [&](int64_t l) {
+    const std::string prefix = cat("layers.", (l - 1) / 2, l % 2 == 1 ? ".attention." : ".feed_forward.");
+    for (size_t i = 0; i < params_.all().size(); ++i)
+      if (params_.all()[i].name.compare(0, prefix.size(), prefix) == 0) branch_members_[size_t(l)].push_back(i);
+    if (built) built(params_, l, branch_members_[size_t(l)]);
+  };
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
     attention_.emplace_back(cfg_, params_, cat("layers.", i, ".attention"));
+    branch_built(2 * i + 1);
     if (cfg_.moe.is_moe_layer(i)) {
       feed_forward_.emplace_back();
       moe_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"), experts);
@@ -58,15 +68,9 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
       feed_forward_.emplace_back(std::in_place, cfg_, params_, cat("layers.", i, ".feed_forward"));
       moe_.emplace_back();
     }
+    branch_built(2 * i + 2);
   }
   stats_.resize(size_t(cfg_.n_layers));
-  // Each branch's parameters, by their names' prefix (layers.i.attention, layers.i.feed_forward).
-  branch_parameters_.resize(size_t(cfg_.n_branches() + 1));
-  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
-    const std::string prefix = cat("layers.", (l - 1) / 2, l % 2 == 1 ? ".attention." : ".feed_forward.");
-    for (const auto& p : params_.all())
-      if (p.name.compare(0, prefix.size(), prefix) == 0) branch_parameters_[size_t(l)].push_back(p.tensor);
-  }
   path_ = make_pathway(residual, cfg_, params_);
   final_norm_ = params_.add("final_norm", "norm", {d}, Init::Ones);
   lm_head_ = cfg_.tie_embeddings ? embedding_
@@ -121,8 +125,117 @@ at::Tensor Transformer::hidden(const at::Tensor& tokens, const AfterBranch& afte
 }
 
 void Transformer::set_recompute(const std::string& mode) {
-  if (mode != "none" && mode != "branch") fail("key 'train.recompute' must be one of \"none\", \"branch\", got \"", mode, "\"");
-  recompute_branches_ = mode == "branch";
+  if (mode != "none" && mode != "branch" && mode != "layer")
+    fail("key 'train.recompute' must be one of \"none\", \"branch\", \"layer\", got \"", mode, "\"");
+  if (residency_ && mode == "none")
+    fail("key 'train.recompute' must be \"branch\" or \"layer\" while the branches' parameters are sharded (train.zero = 3)");
+  recompute_ = mode == "layer" ? Recompute::Layer : mode == "branch" ? Recompute::Branch : Recompute::None;
+}
+
+void Transformer::set_branch_residency(BranchResidency* residency) {
+  if (residency && recompute_ == Recompute::None)
+    fail("key 'train.zero' is 3, which needs key 'train.recompute' = \"branch\" or \"layer\": ZeRO-3 gathers a branch's "
+         "parameters again in backward, where the branch runs again");
+  residency_ = residency;
+}
+
+at::Tensor Transformer::branch_with_stats(int64_t l, const at::Tensor& h, MoeStats& stats) {
+  const int64_t layer = (l - 1) / 2;
+  if (l % 2 == 1 || !moe_[size_t(layer)]) return branch(l, h);
+  return moe_[size_t(layer)]->forward(h, &stats);
+}
+
+void Transformer::recomputed_layer(int64_t i, PathwayState& state) {
+  const int64_t first = 2 * i + 1;
+  const bool moe = moe_[size_t(i)].has_value();
+  // The region's inputs: the state's defined tensors as the layer begins; a copy of the state then,
+  // from which backward runs the layer again.
+  std::vector<size_t> in_slots;
+  std::vector<at::Tensor> inputs;
+  {
+    const std::vector<StateTensor> all = state.tensors();
+    for (size_t k = 0; k < all.size(); ++k)
+      if (all[k].tensor->defined()) {
+        in_slots.push_back(k);
+        inputs.push_back(*all[k].tensor);
+      }
+  }
+  std::shared_ptr<PathwayState> before = state.clone();
+  // Its outputs: the slots the layer set (not the sources it only read, which stay the enclosing
+  // graph's own tensors, so that later reads add into their accumulators as without
+  // recomputation), found by the first run and kept for the next.
+  auto out_slots = std::make_shared<std::vector<size_t>>();
+  // Per output slot that the pathway made a shared source: the sum its later reads left
+  // (fused::shared_source_deferred), which its own reads in this layer continue in backward.
+  auto deferred = std::make_shared<std::vector<std::shared_ptr<fused::DeferredSum>>>();
+  auto ran = std::make_shared<bool>(false);
+  auto load = std::make_shared<at::Tensor>();  // the expert load: not differentiable, the forward run's is kept
+  const Region region = [this, first, moe, &state, before, in_slots, out_slots, deferred, ran, load](
+                            const std::vector<at::Tensor>& in) {
+    // The first run (forward) advances the backbone's state itself; a later one (backward), a copy.
+    std::unique_ptr<PathwayState> copy;
+    PathwayState* st = &state;
+    if (*ran) {
+      copy = before->clone();
+      st = copy.get();
+    }
+    {
+      const std::vector<StateTensor> into = st->tensors();
+      for (size_t k = 0; k < in_slots.size(); ++k) *into[in_slots[k]].tensor = in[k];
+    }
+    MoeStats stats;
+    for (int64_t l = first; l <= first + 1; ++l) path_->write(*st, l, branch_with_stats(l, path_->read(*st, l), stats));
+    const std::vector<StateTensor> after = st->tensors();
+    if (!*ran)
+      for (size_t k = 0; k < after.size(); ++k) {
+        const at::Tensor& t = *after[k].tensor;
+        const bool passed = std::any_of(in.begin(), in.end(), [&](const at::Tensor& x) { return x.is_same(t); });
+        if (t.defined() && !passed) out_slots->push_back(k);
+      }
+    else
+      for (size_t k = 0; k < out_slots->size(); ++k)
+        if ((*deferred)[k]) fused::seed_accumulator(*after[(*out_slots)[k]].tensor, (*deferred)[k]->sum);
+    *ran = true;
+    std::vector<at::Tensor> out;
+    for (size_t k : *out_slots) out.push_back(*after[k].tensor);
+    if (moe) {  // the MoE branch's aux and z losses as outputs too
+      out.push_back(stats.aux_loss);
+      out.push_back(stats.z_loss);
+      *load = stats.load;
+    }
+    return out;
+  };
+  std::vector<at::Tensor> parameters;
+  for (int64_t l = first; l <= first + 1; ++l)
+    for (size_t k : branch_members_[size_t(l)]) parameters.push_back(params_.all()[k].tensor);
+  for (const auto& p : params_.all())
+    if (p.component == "residual") parameters.push_back(p.tensor);
+  RegionHooks hooks;
+  if (residency_) {  // in backward the second branch first: its gather then prefetches the first
+    hooks.before = [this, first](bool backward) {
+      residency_->acquire(backward ? first + 1 : first, backward);
+      residency_->acquire(backward ? first : first + 1, backward);
+    };
+    hooks.after = [this, first](bool backward) {
+      residency_->release(first, backward);
+      residency_->release(first + 1, backward);
+    };
+  }
+  const std::vector<at::Tensor> out = run_recomputed(region, inputs, parameters, hooks);
+  // The outputs laid into the slots the forward run set, now differentiable; a shared source again
+  // a shared source of the enclosing graph, whose sum the region's run in backward takes up.
+  const std::vector<StateTensor> after = state.tensors();
+  deferred->resize(out_slots->size());
+  for (size_t k = 0; k < out_slots->size(); ++k) {
+    const StateTensor& slot = after[(*out_slots)[k]];
+    if (!slot.shared_source) {
+      *slot.tensor = out[k];
+      continue;
+    }
+    (*deferred)[k] = std::make_shared<fused::DeferredSum>();
+    *slot.tensor = fused::shared_source_deferred(out[k], (*deferred)[k]);
+  }
+  if (moe) stats_[size_t(i)] = MoeStats{out[out_slots->size()], out[out_slots->size() + 1], *load};
 }
 
 at::Tensor Transformer::recomputed_branch(int64_t l, const at::Tensor& h) {
@@ -130,26 +243,41 @@ at::Tensor Transformer::recomputed_branch(int64_t l, const at::Tensor& h) {
   const bool moe = l % 2 == 0 && moe_[size_t(layer)];
   // The expert load is not differentiable: the forward run's is kept, outside the region.
   auto load = std::make_shared<at::Tensor>();
-  const Region region = [this, l, layer, moe, load](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-    if (!moe) return {branch(l, in[0])};
+  const Region region = [this, l, moe, load](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
     MoeStats s;
-    at::Tensor y = moe_[size_t(layer)]->forward(in[0], &s);
+    const at::Tensor y = branch_with_stats(l, in[0], s);
+    if (!moe) return {y};
     *load = s.load;
     return {y, s.aux_loss, s.z_loss};
   };
-  const std::vector<at::Tensor> out = run_recomputed(region, {h}, branch_parameters_[size_t(l)]);
+  std::vector<at::Tensor> parameters;
+  for (size_t i : branch_members_[size_t(l)]) parameters.push_back(params_.all()[i].tensor);
+  RegionHooks hooks;
+  if (residency_) {
+    hooks.before = [this, l](bool backward) { residency_->acquire(l, backward); };
+    hooks.after = [this, l](bool backward) { residency_->release(l, backward); };
+  }
+  const std::vector<at::Tensor> out = run_recomputed(region, {h}, parameters, hooks);
   if (moe) stats_[size_t(layer)] = MoeStats{out[1], out[2], *load};
   return out[0];
 }
 
 at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding) {
+  // Whole layers under layer recomputation (analysis, which looks between branches, and decoding
+  // go branch by branch).
+  const bool by_layer = recompute_ == Recompute::Layer && !after_branch && !decoding;
   for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
+    if (by_layer) {
+      recomputed_layer((l - 1) / 2, state);
+      ++l;
+      continue;
+    }
     auto h = path_->read(state, l);
     const int64_t layer = (l - 1) / 2;
     path_->write(state, l,
                  decoding && l % 2 == 1
                      ? attention_[layer].forward(h, *rope_, decoding->state.layers[layer], decoding->chunk)
-                     : recompute_branches_ ? recomputed_branch(l, h) : branch(l, h));
+                     : recompute_ != Recompute::None ? recomputed_branch(l, h) : branch(l, h));
     if (after_branch) after_branch(l, state);
   }
   collect_terms();
@@ -211,6 +339,7 @@ at::Tensor Transformer::extend(DecodeState& state, const at::Tensor& tokens, con
     chunk.aligned = chunk.aligned && n == T && held == state.lengths[0];
   }
   if (chunk.span == 0) fail("decoding: a chunk with no real positions in any row of sequences holding none");
+  if (residency_) fail("decoding: the model's branch parameters are sharded (train.zero = 3); decode from a checkpoint");
   at::NoGradGuard no_grad;
   // Query t of row b, at position lengths[b] + t, sees the cached positions up to its own.
   const auto index = at::TensorOptions().dtype(at::kLong).device(tokens.device());

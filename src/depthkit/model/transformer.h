@@ -48,6 +48,16 @@ struct DecodeState {
   int64_t bytes() const;                  // the caches' memory
 };
 
+// Where the branches' parameters live between uses (ZeRO-3, train/parameter_sets.h): told before
+// branch ℓ runs (in forward; in backward before it runs again under recomputation) and after it
+// is done with its parameters (in forward, after it ran; in backward, after its gradients).
+class BranchResidency {
+ public:
+  virtual ~BranchResidency() = default;
+  virtual void acquire(int64_t branch, bool backward) = 0;
+  virtual void release(int64_t branch, bool backward) = 0;
+};
+
 // The compute dtype train.dtype names: float32, or bfloat16 (mixed precision).
 at::ScalarType compute_dtype_of(const TrainConfig& train);
 
@@ -59,10 +69,13 @@ class Transformer {
   // (nothing is cast); bfloat16 runs the embedding output, every branch and the pathway's states
   // in bfloat16 with the parameters cast at each use, and returns logits and loss in `dtype`.
   // `experts`: which routed experts of each MoE layer this rank holds (expert parallelism); by
-  // default all of them.
+  // default all of them. `built`, when given, is told of each branch's parameters as soon as they
+  // are drawn (ZeRO-3 keeps this rank's shard of them and frees them, so that no rank ever holds
+  // the whole model).
+  using BranchBuilt = std::function<void(ParameterStore& params, int64_t branch, const std::vector<size_t>& members)>;
   Transformer(const ModelConfig& model, const ResidualConfig& residual, at::Device device, uint64_t seed,
               at::ScalarType dtype = at::kFloat, std::optional<at::ScalarType> compute_dtype = std::nullopt,
-              const ExpertPlacement& experts = {});
+              const ExpertPlacement& experts = {}, const BranchBuilt& built = {});
 
   // Called after branch ℓ's write with the pathway's state (analysis: states, interventions).
   using AfterBranch = std::function<void(int64_t branch, PathwayState& state)>;
@@ -108,8 +121,17 @@ class Transformer {
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
   // train.recompute (docs/training.md, "Recomputation"): "none" keeps every activation for
   // backward; "branch" keeps each branch's input only and runs the branch again in backward
-  // (model/recompute.h), with gradients bit-identical to "none".
+  // (model/recompute.h); "layer" keeps only the pathway's state as a layer begins (its depth
+  // sources, which later layers read anyway) and runs the whole layer again, the pathway's reads
+  // and writes (depth keys, MSAR's expansions) with its two branches. Gradients bit-identical to
+  // "none".
   void set_recompute(const std::string& mode);
+  // The parameters f_ℓ reads (indices into parameters().all()), ℓ = 1 … 2·n_layers; every other
+  // parameter (embedding, pathway, final norm, head) is read outside the branches.
+  const std::vector<size_t>& branch_members(int64_t l) const { return branch_members_[size_t(l)]; }
+  // Told around every branch's use of its parameters (null: they stay where they are). Needs
+  // recomputation ("branch" or "layer"), so that backward runs each branch again between the two calls.
+  void set_branch_residency(BranchResidency* residency);
 
  private:
   ModelConfig cfg_;
@@ -122,10 +144,16 @@ class Transformer {
   std::vector<std::optional<MoeFeedForward>> moe_;       // per layer: MoE (absent in dense layers)
   mutable std::vector<MoeStats> stats_;                  // per layer, the last branch() call's
   MoeTerms terms_;
-  bool recompute_branches_ = false;
-  std::vector<std::vector<at::Tensor>> branch_parameters_;  // [ℓ]: the parameters f_ℓ reads
+  enum class Recompute { None, Branch, Layer } recompute_ = Recompute::None;
+  std::vector<std::vector<size_t>> branch_members_;  // [ℓ]: the parameters f_ℓ reads
+  BranchResidency* residency_ = nullptr;
   // f_ℓ under recomputation: the branch's output (and an MoE layer's statistics) as branch() gives them.
   at::Tensor recomputed_branch(int64_t l, const at::Tensor& h);
+  // Layer i (branches 2i + 1, 2i + 2, with the pathway's reads and writes) under recomputation:
+  // advances `state` as running them would.
+  void recomputed_layer(int64_t i, PathwayState& state);
+  // f_ℓ's output, an MoE branch's statistics into `stats`.
+  at::Tensor branch_with_stats(int64_t l, const at::Tensor& h, MoeStats& stats);
   void collect_terms();
   // The branches over a begun pathway state, then the final norm: hidden() and extend() (with
   // `decoding`, whose attention reads and fills the caches).

@@ -85,7 +85,7 @@ void ParameterStore::load(const std::map<std::string, at::Tensor>& tensors, cons
   }
 }
 
-void ParameterStore::load(const SafetensorsReader& file) {
+void ParameterStore::load(const SafetensorsReader& file, const std::vector<bool>& held) {
   const std::string& source = file.path();
   for (const auto& p : params_) {
     const std::optional<TensorSpec> spec = file.spec(p.name);
@@ -100,8 +100,11 @@ void ParameterStore::load(const SafetensorsReader& file) {
     if (std::none_of(params_.begin(), params_.end(), [&](const Parameter& p) { return p.name == t.name; }))
       fail(source, ": unexpected tensor '", t.name, "' (not a parameter of this model)");
   at::NoGradGuard no_grad;
-  for (auto& p : params_)
-    p.tensor.copy_(file.read_elements(p.name, p.first_element(), p.tensor.numel()).view(p.tensor.sizes()));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = params_[i];
+    if (held.empty() || held[i])
+      p.tensor.copy_(file.read_elements(p.name, p.first_element(), p.tensor.numel()).view(p.tensor.sizes()));
+  }
 }
 
 void ParameterStore::zero_grad() {

@@ -53,8 +53,10 @@ class ParameterStore {
   // Copies tensors in by name (a slice takes its rows); names, shapes and dtypes must match
   // exactly. `source` names the file.
   void load(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
-  // The same from a file, reading each parameter's own elements only (a slice's rows).
-  void load(const SafetensorsReader& file);
+  // The same from a file, reading each parameter's own elements only (a slice's rows). Every
+  // tensor is checked; with `held` (per parameter), only those marked are copied in (ZeRO-3 reads
+  // the others into its shards).
+  void load(const SafetensorsReader& file, const std::vector<bool>& held = {});
   void zero_grad();
   at::Device device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }

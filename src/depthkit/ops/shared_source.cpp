@@ -19,6 +19,12 @@ using torch::autograd::variable_list;
 // The accumulator lives in the node's context: created by the first read whose backward runs,
 // handed on (and released) by the node's own backward, which autograd runs after all of them.
 constexpr const char* kAccumulator = "accumulator";
+// A deferred source's (fused::shared_source_deferred): where its backward leaves the sum.
+constexpr const char* kDeferred = "deferred";
+
+struct DeferredHolder : torch::CustomClassHolder {
+  std::shared_ptr<fused::DeferredSum> deferred;
+};
 
 // depthkit::shared_source, registered below: its kernel (a copy) runs under the autograd node.
 c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> shared_source_op() {
@@ -44,6 +50,10 @@ class SharedSource : public torch::autograd::Function<SharedSource> {
       ctx->saved_data.erase(it);  // released now; a second backward (retain_graph) starts afresh
     }
     const at::Tensor& other = grads[0];  // from consumers other than fused reads, if any
+    if (auto it = ctx->saved_data.find(kDeferred); it != ctx->saved_data.end()) {
+      c10::static_intrusive_pointer_cast<DeferredHolder>(it->second.toCapsule())->deferred->sum = sum;
+      return {other, at::Tensor()};
+    }
     if (!sum.defined()) return {other, at::Tensor()};
     if (other.defined()) sum.add_(other);
     return {sum.to(ctx->saved_data["dtype"].toScalarType()), at::Tensor()};
@@ -59,6 +69,42 @@ namespace fused {
 at::Tensor shared_source(const at::Tensor& x) {
   if (!at::GradMode::is_enabled() || !x.requires_grad()) return x;
   return SharedSource::apply(x, false);
+}
+
+at::Tensor shared_source_deferred(const at::Tensor& x, std::shared_ptr<DeferredSum> deferred) {
+  const at::Tensor y = shared_source(x);
+  if (auto* node = dynamic_cast<SharedSourceNode*>(y.grad_fn().get()); node && y.unsafeGetTensorImpl() != x.unsafeGetTensorImpl()) {
+    auto holder = c10::make_intrusive<DeferredHolder>();
+    holder->deferred = std::move(deferred);
+    node->ctx_.saved_data[kDeferred] = c10::IValue::make_capsule(holder);
+  }
+  return y;
+}
+
+void seed_accumulator(const at::Tensor& x, const at::Tensor& sum) {
+  auto* node = dynamic_cast<SharedSourceNode*>(x.grad_fn().get());
+  if (!node || !sum.defined()) return;
+  node->ctx_.saved_data[kAccumulator] = sum;
+}
+
+namespace {
+thread_local SourceStandIns* t_stand_ins = nullptr;
+}  // namespace
+
+SourceStandIns::SourceStandIns() : previous_(t_stand_ins) { t_stand_ins = this; }
+
+SourceStandIns::~SourceStandIns() { t_stand_ins = previous_; }
+
+void SourceStandIns::add(const at::Tensor& stand_in, const at::Tensor& source) {
+  auto* node = dynamic_cast<SharedSourceNode*>(source.grad_fn().get());
+  if (node && node->task_should_compute_output(0)) map_.emplace_back(stand_in.unsafeGetTensorImpl(), source);
+}
+
+const at::Tensor* SourceStandIns::source_of(const at::Tensor& stand_in) {
+  for (const SourceStandIns* s = t_stand_ins; s; s = s->previous_)
+    for (const auto& [impl, source] : s->map_)
+      if (impl == stand_in.unsafeGetTensorImpl()) return &source;
+  return nullptr;
 }
 
 }  // namespace fused
@@ -118,10 +164,13 @@ at::Tensor zeros_like_shape(const at::Tensor& x, at::ScalarType dtype) {
 // not shared, was given to this call already, is accumulated in another dtype, or when this
 // backward will not run the source's node: a partial one (torch::autograd::grad with respect to
 // other inputs, or to the wrapped tensor itself) gets the gradient from autograd as usual, and
-// leaves no sum behind in the node for a later backward over the same graph.
+// leaves no sum behind in the node for a later backward over the same graph. A recomputed
+// region's copy of a shared source (fused::SourceStandIns) takes that source's accumulator: the
+// enclosing backward, which runs the source's node, was asked when the copy was added.
 at::Tensor accumulator(const at::Tensor& source, at::ScalarType accumulate, std::unordered_set<const void*>& taken) {
-  auto* node = dynamic_cast<SharedSourceNode*>(source.grad_fn().get());
-  if (!node || !node->task_should_compute_output(0) || !taken.insert(node).second) return {};
+  const at::Tensor* stands_for = fused::SourceStandIns::source_of(source);
+  auto* node = dynamic_cast<SharedSourceNode*>((stands_for ? *stands_for : source).grad_fn().get());
+  if (!node || (!stands_for && !node->task_should_compute_output(0)) || !taken.insert(node).second) return {};
   auto& saved = node->ctx_.saved_data;
   auto it = saved.find(kAccumulator);
   if (it == saved.end())

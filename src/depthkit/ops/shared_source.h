@@ -15,6 +15,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <vector>
 
 namespace depthkit {
@@ -27,6 +28,41 @@ namespace fused {
 // (depthkit.nn, under torch.compile too), but returns a copy of x: an operator's output may not
 // alias its input.
 at::Tensor shared_source(const at::Tensor& x);
+
+// Recomputation by layer (model/recompute.h, Transformer): a source that a recomputed region made,
+// as the enclosing graph sees it. The later regions' reads add into its accumulator as into any
+// shared source's; but its node hands on only what reached it otherwise, and leaves that sum in
+// `deferred`, where the region's run in backward takes it up (seed_accumulator): so its own reads
+// add to the one running sum after the later ones, as without recomputation.
+struct DeferredSum {
+  at::Tensor sum;  // set by the node's backward (undefined: no read added into it)
+};
+at::Tensor shared_source_deferred(const at::Tensor& x, std::shared_ptr<DeferredSum> deferred);
+// Starts the accumulator of `x`, a shared source made in a region's run in backward, from `sum`.
+void seed_accumulator(const at::Tensor& x, const at::Tensor& sum);
+
+// Recomputation (model/recompute.h) runs a region again on detached copies of its inputs. Where an
+// input is a shared source of the enclosing graph, the region's reads add its gradient into that
+// source's accumulator, as they did without recomputation, instead of handing it to autograd: the
+// same sums in the same order and dtype, so the gradients stay bit-identical (a float32 buffer,
+// not a bfloat16 gradient per region, under bfloat16 compute). While alive, on this thread, an
+// object of this class maps each copy added to its source.
+class SourceStandIns {
+ public:
+  SourceStandIns();
+  ~SourceStandIns();
+  SourceStandIns(const SourceStandIns&) = delete;
+  SourceStandIns& operator=(const SourceStandIns&) = delete;
+  // `stand_in` reads as `source` when `source` is a shared source whose node the backward now
+  // running will run (otherwise this does nothing). Call it in that backward.
+  void add(const at::Tensor& stand_in, const at::Tensor& source);
+  // The source `stand_in` reads as, on this thread (null: none).
+  static const at::Tensor* source_of(const at::Tensor& stand_in);
+
+ private:
+  std::vector<std::pair<const void*, at::Tensor>> map_;  // a copy's TensorImpl → its source
+  SourceStandIns* previous_;
+};
 
 }  // namespace fused
 

@@ -24,6 +24,14 @@ struct History final : PathwayState {
   std::vector<at::Tensor> values;  // SepV: W_{v,r}·source, mapped once when appended; else empty
   at::Tensor partial;              // sum of the current block's outputs [B, T, d]; undefined at block start
   int64_t B = 0, T = 0, d = 0;
+  std::unique_ptr<PathwayState> clone() const override { return std::make_unique<History>(*this); }
+  std::vector<StateTensor> tensors() override {
+    std::vector<StateTensor> out;
+    for (auto* list : {&completed, &values})
+      for (at::Tensor& t : *list) out.push_back({&t, true});
+    out.push_back({&partial});
+    return out;
+  }
   at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
   at::Tensor source(const at::Tensor& x) const { return fused::shared_source(flat(x)); }
   at::Tensor stacked() const { return at::stack(completed).view({-1, B, T, d}); }  // for the observer

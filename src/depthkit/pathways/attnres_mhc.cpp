@@ -8,6 +8,17 @@ namespace depthkit {
 namespace {
 struct Both final : PathwayState {
   std::unique_ptr<PathwayState> attnres, mhc;
+  std::unique_ptr<PathwayState> clone() const override {
+    auto c = std::make_unique<Both>();
+    c->attnres = attnres->clone();
+    c->mhc = mhc->clone();
+    return c;
+  }
+  std::vector<StateTensor> tensors() override {
+    std::vector<StateTensor> out = attnres->tensors();
+    for (const StateTensor& t : mhc->tensors()) out.push_back(t);
+    return out;
+  }
 };
 Both& both(PathwayState& s) { return static_cast<Both&>(s); }
 

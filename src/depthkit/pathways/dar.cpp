@@ -25,6 +25,14 @@ struct DualHistory final : PathwayState {
   at::Tensor p0, p1;               // the block's partial P^{i−1}; undefined at block start
   at::Tensor beta;                 // β_ℓ of the last read, [B·T, 2], used by its write
   int64_t B = 0, T = 0, d = 0;
+  std::unique_ptr<PathwayState> clone() const override { return std::make_unique<DualHistory>(*this); }
+  std::vector<StateTensor> tensors() override {
+    std::vector<StateTensor> out;
+    for (auto* list : {&h0, &h1})
+      for (at::Tensor& t : *list) out.push_back({&t, true});
+    for (at::Tensor* t : {&p0, &p1, &beta}) out.push_back({t});
+    return out;
+  }
   at::Tensor flat(const at::Tensor& x) const { return x.reshape({B * T, d}); }
   // A new entry: flat, and a shared source, whose reads add its gradient into one buffer
   // (ops/shared_source.h).

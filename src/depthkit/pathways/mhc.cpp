@@ -15,6 +15,8 @@ namespace {
 struct Streams final : PathwayState {
   at::Tensor x;                    // [B, T, m, d]
   at::Tensor h_post, h_res;        // of the last read: [B, T, m], [B, T, m, m]
+  std::unique_ptr<PathwayState> clone() const override { return std::make_unique<Streams>(*this); }
+  std::vector<StateTensor> tensors() override { return {{&x}, {&h_post}, {&h_res}}; }
 };
 Streams& streams(PathwayState& s) { return static_cast<Streams&>(s); }
 }  // namespace

@@ -47,6 +47,14 @@ struct Sources final : PathwayState {
   Tails* tails = nullptr;
   std::vector<int64_t> counts;
   int64_t reach = 0;
+  std::unique_ptr<PathwayState> clone() const override { return std::make_unique<Sources>(*this); }
+  std::vector<StateTensor> tensors() override {
+    std::vector<StateTensor> out;
+    for (at::Tensor& t : raw) out.push_back({&t, true});
+    for (at::Tensor& t : taps) out.push_back({&t});
+    for (at::Tensor* t : {&partial, &last_input, &last_output}) out.push_back({t});
+    return out;
+  }
 };
 Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
 

@@ -64,9 +64,22 @@ struct BlockSchedule {
   }
 };
 
+// One tensor a pathway's state holds, and whether the pathway made it a shared source
+// (fused::shared_source, ops/shared_source.h: its reads add its gradient into one buffer).
+struct StateTensor {
+  at::Tensor* tensor;
+  bool shared_source = false;
+};
+
 // Per-forward state of a pathway (the residual stream, a depth history, several streams...).
 struct PathwayState {
   virtual ~PathwayState() = default;
+  // For recomputing a whole layer (train.recompute = "layer"; Transformer): a copy sharing the
+  // tensors, and every tensor slot the state holds (each list's entries, undefined ones too) in a
+  // fixed order, so that the backbone can hand a layer's state to a recomputed region as tensors
+  // and lay the region's outputs back in.
+  virtual std::unique_ptr<PathwayState> clone() const = 0;
+  virtual std::vector<StateTensor> tensors() = 0;
 };
 
 // What a pathway carries from one chunk of positions to the next while decoding (docs/design.md,

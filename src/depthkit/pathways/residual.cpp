@@ -10,6 +10,8 @@ namespace depthkit {
 namespace {
 struct Stream final : PathwayState {
   at::Tensor h;  // [B, T, d]
+  std::unique_ptr<PathwayState> clone() const override { return std::make_unique<Stream>(*this); }
+  std::vector<StateTensor> tensors() override { return {{&h}}; }
 };
 Stream& stream(PathwayState& s) { return static_cast<Stream&>(s); }
 }  // namespace

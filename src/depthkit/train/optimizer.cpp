@@ -71,6 +71,7 @@ AdamW::AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<Param
   int64_t start = 0;  // of parameter i in the concatenation
   for (size_t i = 0; i < ps.size(); ++i) {
     const int64_t n = ps[i]->tensor.numel();
+    starts_.push_back(start);
     const int64_t lo = std::max(start, shard_.begin), hi = std::min(start + n, shard_.end);
     if (lo < hi) slices_.push_back({i, lo - start, hi - lo, lo - shard_.begin});
     start += n;
@@ -89,17 +90,21 @@ at::Tensor AdamW::gradient_of(const Slice& s, const at::Tensor& shard_gradient) 
   return g.defined() ? g.reshape(-1).narrow(0, s.offset, s.length) : at::Tensor();
 }
 
-void AdamW::step(double lr, const at::Tensor& shard_gradient) {
+at::Tensor AdamW::parameter_of(const Slice& s, const at::Tensor& shard_parameters) const {
+  if (shard_parameters.defined()) return shard_parameters.narrow(0, s.flat, s.length);
+  return members_[s.param]->tensor.view(-1).narrow(0, s.offset, s.length);
+}
+
+void AdamW::step(double lr, const at::Tensor& shard_gradient, const at::Tensor& shard_parameters) {
   at::NoGradGuard no_grad;
   ++step_;
-  if (cfg_.impl == "fused") return fused_step(lr, shard_gradient);
+  if (cfg_.impl == "fused") return fused_step(lr, shard_gradient, shard_parameters);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, double(step_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, double(step_));
   for (const Slice& s : slices_) {
-    const at::Tensor& whole = members_[s.param]->tensor;
     const at::Tensor grad = gradient_of(s, shard_gradient);
     if (!grad.defined()) continue;
-    at::Tensor p = whole.view(-1).narrow(0, s.offset, s.length);
+    at::Tensor p = parameter_of(s, shard_parameters);
     at::Tensor m = exp_avg_.narrow(0, s.flat, s.length), v = exp_avg_sq_.narrow(0, s.flat, s.length);
     if (members_[s.param]->decay && cfg_.weight_decay > 0) p.mul_(1.0 - lr * cfg_.weight_decay);
     m.lerp_(grad, 1.0 - cfg_.beta1);
@@ -109,18 +114,17 @@ void AdamW::step(double lr, const at::Tensor& shard_gradient) {
   }
 }
 
-void AdamW::fused_step(double lr, const at::Tensor& shard_gradient) {
+void AdamW::fused_step(double lr, const at::Tensor& shard_gradient, const at::Tensor& shard_parameters) {
   // The slices of the parameters with and without weight decay, each group one call of ATen's
   // fused kernel: the same update as step()'s loop, in one pass over each tensor instead of five.
   struct Group {
     std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq;
   } groups[2];
   for (const Slice& s : slices_) {
-    const at::Tensor& whole = members_[s.param]->tensor;
     const at::Tensor grad = gradient_of(s, shard_gradient);
     if (!grad.defined()) continue;
     Group& group = groups[members_[s.param]->decay && cfg_.weight_decay > 0 ? 1 : 0];
-    group.params.push_back(whole.view(-1).narrow(0, s.offset, s.length));
+    group.params.push_back(parameter_of(s, shard_parameters));
     group.grads.push_back(grad);
     group.exp_avg.push_back(exp_avg_.narrow(0, s.flat, s.length));
     group.exp_avg_sq.push_back(exp_avg_sq_.narrow(0, s.flat, s.length));
@@ -238,32 +242,31 @@ TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) c
     for (const Parameter* p : members_) out.specs.push_back({moment + p->name, exp_avg_.scalar_type(), p->full_shape});
   if (with_step) out.specs.push_back({"step", at::kLong, {}});
   out.produce = [this, &world, slices, with_step](const TensorStream::Sink& sink) {
-    const int64_t piece = (int64_t(16) << 20) / int64_t(exp_avg_.element_size());
-    // Member j of slice q's group owns elements [bounds[j], bounds[j + 1]) of the set laid flat
-    // (unsharded: member 0 owns them all, and every member holds a copy).
-    const bool whole = shard_.begin == 0 && shard_.end == total_;
-    const std::vector<int64_t> bounds = whole ? std::vector<int64_t>{0, total_} : shard_.bounds;
-    const int64_t owners = int64_t(bounds.size()) - 1;
-    for (const at::Tensor* moment : {&exp_avg_, &exp_avg_sq_}) {
-      int64_t start = 0;  // of the parameter in the set laid flat
-      for (const Parameter* p : members_) {
-        const int64_t n = p->tensor.numel();
-        for (int64_t q = 0; q < slices; ++q)  // the parameter's rows, slice after slice
-          for (int64_t j = 0; j < owners; ++j) {
-            const int64_t owner = q + j * slices;  // its world rank
-            const int64_t lo = std::max(start, bounds[size_t(j)]), hi = std::min(start + n, bounds[size_t(j) + 1]);
-            for (int64_t at = lo; at < hi; at += piece) {
-              const int64_t len = std::min(piece, hi - at);
-              const int64_t local = at - bounds[size_t(j)];  // in the owner's flat moments
-              relay_to_root(world, owner, moment->narrow(0, local, len), sink);
-            }
-          }
-        start += n;
-      }
-    }
+    for (const at::Tensor* moment : {&exp_avg_, &exp_avg_sq_})
+      for (size_t j = 0; j < members_.size(); ++j) relay_member(world, slices, j, *moment, sink);
     if (with_step && world.root()) sink(at::scalar_tensor(step_, at::kLong));
   };
   return out;
+}
+
+void AdamW::relay_member(World& world, int64_t slices, size_t j, const at::Tensor& flat,
+                         const TensorStream::Sink& sink) const {
+  const int64_t piece = (int64_t(16) << 20) / int64_t(flat.element_size());
+  // Member k of slice q's group owns elements [bounds[k], bounds[k + 1]) of the set laid flat
+  // (unsharded: member 0 owns them all, and every member holds a copy).
+  const bool whole = shard_.begin == 0 && shard_.end == total_;
+  const std::vector<int64_t> bounds = whole ? std::vector<int64_t>{0, total_} : shard_.bounds;
+  const int64_t owners = int64_t(bounds.size()) - 1;
+  const int64_t start = starts_[j], n = members_[j]->tensor.numel();
+  for (int64_t q = 0; q < slices; ++q)  // the parameter's rows, slice after slice
+    for (int64_t k = 0; k < owners; ++k) {
+      const int64_t owner = q + k * slices;  // its world rank
+      const int64_t lo = std::max(start, bounds[size_t(k)]), hi = std::min(start + n, bounds[size_t(k) + 1]);
+      for (int64_t at = lo; at < hi; at += piece) {
+        const int64_t len = std::min(piece, hi - at);
+        relay_to_root(world, owner, flat.narrow(0, at - bounds[size_t(k)], len), sink);  // in the owner's flat shard
+      }
+    }
 }
 
 void relay_to_root(World& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink) {
@@ -291,14 +294,17 @@ void AdamW::load_state(const SafetensorsReader& file) {
     check("exp_avg_sq." + p->name, p->full_shape, exp_avg_.scalar_type());
   }
   check("step", {}, at::kLong);
+  read_shard(file, "exp_avg.", exp_avg_);
+  read_shard(file, "exp_avg_sq.", exp_avg_sq_);
+  step_ = file.read("step").item<int64_t>();
+}
+
+void AdamW::read_shard(const SafetensorsReader& file, const std::string& prefix, const at::Tensor& flat) const {
   at::NoGradGuard no_grad;
   for (const Slice& s : slices_) {
     const Parameter& p = *members_[s.param];
-    const int64_t at_element = p.first_element() + s.offset;
-    exp_avg_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg." + p.name, at_element, s.length));
-    exp_avg_sq_.narrow(0, s.flat, s.length).copy_(file.read_elements("exp_avg_sq." + p.name, at_element, s.length));
+    flat.narrow(0, s.flat, s.length).copy_(file.read_elements(prefix + p.name, p.first_element() + s.offset, s.length));
   }
-  step_ = file.read("step").item<int64_t>();
 }
 
 void add_sum_of_squares(at::Tensor& sum, const at::Tensor& g) {

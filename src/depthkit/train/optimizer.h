@@ -51,8 +51,10 @@ class AdamW {
   AdamW(ParameterStore& params, const OptimConfig& cfg, std::optional<ParameterShard> shard = std::nullopt,
         const std::vector<size_t>& members = {});
   // Updates the shard's elements from the parameters' gradients, or from `shard_gradient`, the
-  // shard's gradient laid flat [chunk] (ZeRO-2: train/sharded_gradients.h).
-  void step(double lr, const at::Tensor& shard_gradient = {});
+  // shard's gradient laid flat [chunk] (ZeRO-2: train/sharded_gradients.h). The elements updated
+  // are the parameters', or `shard_parameters`' when given: the shard's parameters laid flat
+  // [chunk] (ZeRO-3, where that is the only copy a rank keeps).
+  void step(double lr, const at::Tensor& shard_gradient = {}, const at::Tensor& shard_parameters = {});
   int64_t steps() const { return step_; }
   const ParameterShard& shard() const { return shard_; }
   int64_t total_elements() const { return total_; }
@@ -83,10 +85,17 @@ class AdamW {
   // the parameters they hold (expert parallelism: rows q of P of every expert tensor; 1: whole).
   // Every rank of `world` runs the producer.
   TensorStream state_stream(World& world, int64_t slices = 1, bool with_step = true) const;
+  // Member j's elements of a tensor laid flat as the shards are ([chunk] on each rank, as the
+  // moments), handed to `sink` on rank 0 in order, in pieces of at most 16 MiB (relay_to_root):
+  // what state_stream does for each moment, and ZeRO-3 for the parameters themselves.
+  void relay_member(World& world, int64_t slices, size_t j, const at::Tensor& flat, const TensorStream::Sink& sink) const;
   // Takes the shard's elements from a checkpoint's full state.
   void load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
   // The same from the file, reading the shard's elements only (of this rank's slice).
   void load_state(const SafetensorsReader& file);
+  // The shard's elements of the file's tensors `prefix` + each member's name, into `flat`
+  // [chunk] (the moments; ZeRO-3's parameters, with no prefix). Shapes are the caller's to check.
+  void read_shard(const SafetensorsReader& file, const std::string& prefix, const at::Tensor& flat) const;
   // The parameters of this set, in order.
   const std::vector<const Parameter*>& members() const { return members_; }
 
@@ -97,10 +106,12 @@ class AdamW {
     size_t param;
     int64_t offset, length, flat;
   };
-  void fused_step(double lr, const at::Tensor& shard_gradient);  // optim.impl = "fused"
+  void fused_step(double lr, const at::Tensor& shard_gradient, const at::Tensor& shard_parameters);  // optim.impl = "fused"
   // Slice s's gradient, flat: from shard_gradient when given, else from its parameter's .grad
   // (undefined when the parameter has none).
   at::Tensor gradient_of(const Slice& s, const at::Tensor& shard_gradient) const;
+  // Slice s's parameter elements, flat: in shard_parameters when given, else in its parameter.
+  at::Tensor parameter_of(const Slice& s, const at::Tensor& shard_parameters) const;
   ParameterStore& params_;
   std::vector<const Parameter*> members_;
   OptimConfig cfg_;
@@ -108,6 +119,7 @@ class AdamW {
   int64_t total_ = 0;
   int64_t step_ = 0;
   std::vector<Slice> slices_;
+  std::vector<int64_t> starts_;  // member j's first element in the set laid flat
   at::Tensor exp_avg_, exp_avg_sq_;
 };
 

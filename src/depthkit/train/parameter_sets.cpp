@@ -1,6 +1,7 @@
 #include "depthkit/train/parameter_sets.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
@@ -39,6 +40,10 @@ struct ParameterSets::Set {
   std::unique_ptr<GradientReducer> reducer;   // ZeRO ≤ 1
   std::unique_ptr<ShardedGradients> sharded;  // ZeRO-2
   int64_t bucket_bytes = 0;  // ZeRO's buckets: the reduce-scatters' and the all-gathers' size
+  // ZeRO-3: the branch whose parameters these are (0: the rest, kept whole), and this rank's shard
+  // of them, flat [chunk]: the only copy it keeps between uses, and what AdamW updates.
+  int64_t branch = 0;
+  at::Tensor owned;
   std::vector<at::Tensor> tensors(const ParameterStore& store) const {
     std::vector<at::Tensor> out;
     for (size_t i : members) out.push_back(store.all()[i].tensor);
@@ -61,22 +66,153 @@ int64_t bucket_bytes_for(const std::vector<at::Tensor>& tensors, int64_t configu
 
 }  // namespace
 
-ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts)
-    : world_(world), params_(model.parameters()), zero_(cfg.train.zero) {
+namespace {
+
+// ZeRO-3 frees a parameter's memory and gives it back, keeping the tensor itself (its shape, its
+// autograd identity, every module's handle on it): only its storage is swapped (as FSDP resizes
+// a storage to 0). Nothing reads a freed parameter: the branches run between acquire and release.
+void free_storage(const at::Tensor& t) {
+  t.unsafeGetTensorImpl()->set_storage_keep_dtype(at::empty({0}, t.options()).storage());
+}
+
+}  // namespace
+
+void BranchShards::take(ParameterStore& store, int64_t branch, const std::vector<size_t>& members) {
+  at::NoGradGuard no_grad;
+  for (const bool experts : {false, true}) {
+    std::vector<const Parameter*> part;
+    std::vector<int64_t> sizes;
+    for (size_t i : members)
+      if (store.all()[i].is_slice() == experts) {
+        part.push_back(&store.all()[i]);
+        sizes.push_back(store.all()[i].tensor.numel());
+      }
+    if (part.empty()) continue;
+    const Group& group = experts ? *experts_.replicas : world_.all();
+    const ParameterShard shard = ParameterShard::of(sizes, group.rank(), group.size());
+    at::Tensor owned = at::zeros({shard.chunk}, part.front()->tensor.options().requires_grad(false));
+    int64_t start = 0;  // of the parameter in the branch's parameters laid flat
+    for (const Parameter* p : part) {
+      const int64_t n = p->tensor.numel();
+      const int64_t lo = std::max(start, shard.begin), hi = std::min(start + n, shard.end);
+      if (lo < hi) owned.narrow(0, lo - shard.begin, hi - lo).copy_(p->tensor.detach().view(-1).narrow(0, lo - start, hi - lo));
+      free_storage(p->tensor);
+      start += n;
+    }
+    owned_[{experts, branch}] = owned;
+  }
+}
+
+at::Tensor BranchShards::owned(bool experts, int64_t branch) const {
+  const auto it = owned_.find({experts, branch});
+  if (it == owned_.end()) fail("BranchShards: nothing kept of branch ", branch, experts ? "'s experts" : "");
+  return it->second;
+}
+
+// ZeRO-3's branches: each branch's sets (its replicated parameters; its experts' too under expert
+// parallelism) all-gathered from their shards before it runs and freed after. As one branch is
+// acquired, the gather of the next one (in forward the one after, in backward the one before) is
+// started, to overlap its computation. Every rank runs the branches in the same order, so the
+// gathers are issued alike.
+class ParameterSets::Residency final : public BranchResidency {
+ public:
+  explicit Residency(std::vector<std::vector<Set*>> by_branch)
+      : by_branch_(std::move(by_branch)), pending_(by_branch_.size()), resident_(by_branch_.size(), false) {}
+
+  void acquire(int64_t l, bool backward) override {
+    at::NoGradGuard no_grad;
+    if (!resident_[size_t(l)]) {
+      if (pending_[size_t(l)].empty()) start(l);
+      finish(l);
+    }
+    const int64_t next = backward ? l - 1 : l + 1;
+    if (next >= 1 && next < int64_t(by_branch_.size()) && !resident_[size_t(next)] && pending_[size_t(next)].empty())
+      start(next);
+  }
+
+  void release(int64_t l, bool) override {
+    for (Set* set : by_branch_[size_t(l)])
+      for (const Parameter* p : set->optim->members()) free_storage(p->tensor);
+    resident_[size_t(l)] = false;
+  }
+
+ private:
+  struct Gather {
+    Set* set;
+    at::Tensor gathered;  // [group size · chunk]: every member's shard
+    std::unique_ptr<PendingCollective> work;
+  };
+
+  void start(int64_t l) {
+    for (Set* set : by_branch_[size_t(l)]) {
+      at::Tensor out = at::empty({set->group->size() * set->owned.numel()}, set->owned.options());
+      auto work = set->group->all_gather_into(set->owned, out);
+      pending_[size_t(l)].push_back({set, out, std::move(work)});
+    }
+  }
+
+  // The gathered shards laid into fresh tensors of the parameters' shapes, which the parameters
+  // then take as their storage.
+  void finish(int64_t l) {
+    for (Gather& g : pending_[size_t(l)]) {
+      g.work->wait();
+      const ParameterShard& shard = g.set->optim->shard();
+      int64_t start = 0;  // of the member in the set laid flat
+      for (const Parameter* p : g.set->optim->members()) {
+        const int64_t n = p->tensor.numel();
+        at::Tensor full = at::empty(p->tensor.sizes(), p->tensor.options());
+        for (size_t r = 0; r + 1 < shard.bounds.size(); ++r) {
+          const int64_t lo = std::max(start, shard.bounds[r]), hi = std::min(start + n, shard.bounds[r + 1]);
+          if (lo < hi)
+            full.view(-1).narrow(0, lo - start, hi - lo).copy_(
+                g.gathered.narrow(0, int64_t(r) * shard.chunk + lo - shard.bounds[r], hi - lo));
+        }
+        p->tensor.unsafeGetTensorImpl()->set_storage_keep_dtype(full.storage());
+        start += n;
+      }
+    }
+    pending_[size_t(l)].clear();
+    resident_[size_t(l)] = true;
+  }
+
+  std::vector<std::vector<Set*>> by_branch_;  // [ℓ], ℓ = 1 … branches
+  std::vector<std::vector<Gather>> pending_;   // [ℓ]: gathers started and not yet laid out
+  std::vector<bool> resident_;                 // [ℓ]: its parameters whole
+};
+
+ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts,
+                             const BranchShards* shards)
+    : model_(model), world_(world), params_(model.parameters()), zero_(cfg.train.zero) {
   ParameterStore& store = model.parameters();
   const auto& all = store.all();
-  auto replicated = std::make_unique<Set>(), routed = std::make_unique<Set>();
-  replicated->group = &world.all();
-  for (size_t i = 0; i < all.size(); ++i) (all[i].is_slice() ? routed : replicated)->members.push_back(i);
-  sets_.push_back(std::move(replicated));
-  if (!routed->members.empty()) {
-    expert_slices_ = cfg.model.moe.expert_parallel;
-    expert_split_ = experts.split.get();
-    expert_replicas_ = experts.replicas.get();
-    routed->group = experts.replicas.get();
-    routed->slices = expert_slices_;
-    sets_.push_back(std::move(routed));
+  // The branch each parameter belongs to (ZeRO-3's units; 0: none).
+  std::vector<int64_t> branch_of(all.size(), 0);
+  if (zero_ >= 3 && !shards) fail("ParameterSets: ZeRO-3 needs the shards its model's branches left (BranchShards)");
+  if (zero_ >= 3)
+    for (int64_t l = 1; l <= model.config().n_branches(); ++l)
+      for (size_t i : model.branch_members(l)) branch_of[i] = l;
+  // Replicated and expert parameters, each cut by branch under ZeRO-3: one set per (slice, branch).
+  std::map<std::pair<bool, int64_t>, std::unique_ptr<Set>> by_key;
+  for (size_t i = 0; i < all.size(); ++i) {
+    auto& set = by_key[{all[i].is_slice(), branch_of[i]}];
+    if (!set) {
+      set = std::make_unique<Set>();
+      set->branch = branch_of[i];
+      if (all[i].is_slice()) {
+        expert_slices_ = cfg.model.moe.expert_parallel;
+        expert_split_ = experts.split.get();
+        expert_replicas_ = experts.replicas.get();
+        set->group = experts.replicas.get();
+        set->slices = expert_slices_;
+      } else {
+        set->group = &world.all();
+      }
+    }
+    set->members.push_back(i);
   }
+  for (auto& [key, set] : by_key) sets_.push_back(std::move(set));  // the replicated ones first
+  const auto in_flight = std::make_shared<ReductionsInFlight>();  // ZeRO ≥ 2: bounded over every set
+  std::vector<std::vector<Set*>> by_branch(size_t(model.config().n_branches() + 1));
   for (auto& set : sets_) {
     Group& g = *set->group;
     const bool shard = cfg.train.zero >= 1;
@@ -86,20 +222,44 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
     const std::vector<at::Tensor> tensors = set->tensors(store);
     set->bucket_bytes = bucket_bytes_for(tensors, cfg.train.bucket_bytes);
     if (cfg.train.zero >= 2)
-      set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g, set->bucket_bytes);
+      set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g,
+                                                        set->bucket_bytes, in_flight);
     else
       set->reducer = g.gradient_reducer(tensors);
+    if (set->branch > 0) {
+      set->owned = shards->owned(set->slices > 1, set->branch);
+      if (set->owned.numel() != set->optim->shard().chunk)
+        fail("ParameterSets: branch ", set->branch, "'s shard holds ", set->owned.numel(), " elements, its AdamW ",
+             set->optim->shard().chunk);
+      by_branch[size_t(set->branch)].push_back(set.get());
+    }
+  }
+  if (zero_ >= 3) {
+    residency_ = std::make_unique<Residency>(std::move(by_branch));
+    model.set_branch_residency(residency_.get());
   }
 }
 
-ParameterSets::~ParameterSets() = default;
+ParameterSets::~ParameterSets() {
+  if (residency_) model_.set_branch_residency(nullptr);
+}
 
 void ParameterSets::broadcast_parameters() {
   for (auto& set : sets_)
-    for (at::Tensor t : set->tensors(params_)) {
+    for (at::Tensor t : set->branch > 0 ? std::vector<at::Tensor>{} : set->tensors(params_)) {
       at::Tensor data = t.detach();
       set->group->broadcast(data);
     }
+}
+
+void ParameterSets::load_parameters(const SafetensorsReader& file) {
+  std::vector<bool> held(params_.all().size(), true);
+  for (const auto& set : sets_)
+    if (set->branch > 0)
+      for (size_t i : set->members) held[i] = false;
+  params_.load(file, held);  // checks every tensor; copies those held whole
+  for (auto& set : sets_)
+    if (set->branch > 0) set->optim->read_shard(file, "", set->owned);
 }
 
 void ParameterSets::load_optimizer(const SafetensorsReader& file) {
@@ -179,22 +339,32 @@ double ParameterSets::clip(double max_norm) {
 
 void ParameterSets::step(double lr) {
   for (auto& set : sets_) {
-    set->optim->step(lr, set->sharded ? set->sharded->gradient() : at::Tensor());
-    if (zero_ >= 1 && set->group->size() > 1) all_gather_parameters(*set->optim, *set->group, set->bucket_bytes);
+    set->optim->step(lr, set->sharded ? set->sharded->gradient() : at::Tensor(), set->owned);
+    // ZeRO-3's branches are gathered when they next run.
+    if (zero_ >= 1 && set->group->size() > 1 && set->branch == 0)
+      all_gather_parameters(*set->optim, *set->group, set->bucket_bytes);
   }
 }
 
 TensorStream ParameterSets::model_stream() {
   TensorStream out;
   for (const auto& p : params_.all()) out.specs.push_back({p.name, p.tensor.scalar_type(), p.full_shape});
-  out.produce = [this](const TensorStream::Sink& sink) {
-    for (const auto& p : params_.all()) {
-      if (!p.is_slice()) {
+  // ZeRO-3: where each parameter's shards are (its set, its place there).
+  std::vector<std::pair<const Set*, size_t>> sharded(params_.all().size(), {nullptr, 0});
+  for (const auto& set : sets_)
+    if (set->branch > 0)
+      for (size_t j = 0; j < set->members.size(); ++j) sharded[set->members[j]] = {set.get(), j};
+  out.produce = [this, sharded](const TensorStream::Sink& sink) {
+    for (size_t i = 0; i < params_.all().size(); ++i) {
+      const Parameter& p = params_.all()[i];
+      if (const auto& [set, j] = sharded[i]; set) {
+        set->optim->relay_member(world_, set->slices, j, set->owned, sink);
+      } else if (!p.is_slice()) {
         if (world_.root()) sink(p.tensor.detach());
-        continue;
+      } else {
+        // Rows of slice q are held by world rank q (the first block of ranks splits the experts).
+        for (int64_t q = 0; q < expert_slices_; ++q) relay_to_root(world_, q, p.tensor.detach(), sink);
       }
-      // Rows of slice q are held by world rank q (the first block of ranks splits the experts).
-      for (int64_t q = 0; q < expert_slices_; ++q) relay_to_root(world_, q, p.tensor.detach(), sink);
     }
   };
   return out;
@@ -218,6 +388,13 @@ int64_t ParameterSets::optimizer_state_bytes() const {
   return n;
 }
 
+int64_t ParameterSets::parameter_bytes() const {
+  int64_t n = 0;
+  for (const auto& set : sets_)
+    n += set->branch > 0 ? set->owned.nbytes() : set->optim->total_elements() * int64_t(sizeof(float));
+  return n;
+}
+
 int64_t ParameterSets::bucket_bytes() const {
   int64_t n = 0;
   for (const auto& set : sets_)
@@ -233,14 +410,30 @@ int64_t ParameterSets::gradient_bytes() const {
 }
 
 std::string ParameterSets::describe() const {
-  std::string out;
+  // Per kind (replicated, experts): summed over its sets (one, or ZeRO-3's one per branch).
+  struct Sums {
+    int64_t held = 0, total = 0, state = 0, gradients = 0, bucket = 0, parameters = 0, sets = 0;
+  };
+  std::map<bool, Sums> kinds;
   for (const auto& set : sets_) {
+    Sums& k = kinds[set->slices > 1];
     const AdamW& o = *set->optim;
-    out += cat(out.empty() ? "" : "; ", sets_.size() > 1 ? (set->slices > 1 ? "experts: " : "replicated: ") : "",
-               "AdamW state of ", o.shard().end - o.shard().begin, " of ", o.total_elements(), " parameters per rank, ",
-               o.state_bytes(), " bytes");
-    if (set->sharded)
-      out += cat(", gradients ", set->sharded->shard_bytes(), " bytes, buckets of up to ", set->sharded->bucket_bytes());
+    k.held += o.shard().end - o.shard().begin;
+    k.total += o.total_elements();
+    k.state += o.state_bytes();
+    k.parameters += set->branch > 0 ? set->owned.nbytes() : o.total_elements() * int64_t(sizeof(float));
+    if (set->sharded) {
+      k.gradients += set->sharded->shard_bytes();
+      k.bucket = std::max(k.bucket, set->sharded->bucket_bytes());
+    }
+    ++k.sets;
+  }
+  std::string out;
+  for (const auto& [experts, k] : kinds) {
+    out += cat(out.empty() ? "" : "; ", kinds.size() > 1 ? (experts ? "experts: " : "replicated: ") : "",
+               "AdamW state of ", k.held, " of ", k.total, " parameters per rank, ", k.state, " bytes");
+    if (zero_ >= 2) out += cat(", gradients ", k.gradients, " bytes, buckets of up to ", k.bucket);
+    if (zero_ >= 3) out += cat(", parameters ", k.parameters, " bytes between uses (", k.sets, " units)");
   }
   return out;
 }

@@ -4,10 +4,15 @@
 // moe.expert_parallel = P, the replicated parameters over every rank and the routed experts
 // (each rank holding a slice of P) over the W / P ranks that hold the same slice. Each set has
 // its AdamW (its state sharded over its group under ZeRO ≥ 1), and its gradients are averaged
-// by c10d's Reducer (ZeRO ≤ 1) or reduce-scattered into shards (ZeRO-2).
+// by c10d's Reducer (ZeRO ≤ 1) or reduce-scattered into shards (ZeRO ≥ 2). Under ZeRO-3 each
+// set is cut further, one set per branch (its parameters sharded between uses: gathered just
+// before the branch runs, in forward and again in backward, and freed after; the next branch's
+// gathered meanwhile) and one for the rest (the embedding, the pathway's own parameters, the
+// final norm and the head, used across the whole pass, kept whole as under ZeRO-2).
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,13 +38,39 @@ struct ExpertGroups {
   static ExpertGroups of(World& world, const Config& cfg);
 };
 
+// ZeRO-3's shards of each branch's parameters, taken while the model is built
+// (Transformer::BranchBuilt): a branch's parameters are drawn whole, this rank's shard of them
+// kept, and their memory freed before the next branch is drawn, so that no rank ever holds more
+// than the parameters outside the branches and one branch. Made before the model.
+class BranchShards {
+ public:
+  BranchShards(World& world, const ExpertGroups& experts) : world_(world), experts_(experts) {}
+  // The model's BranchBuilt: keeps this rank's shard of branch `branch`'s parameters (`members`,
+  // the replicated ones over every rank, an expert's slices over the ranks holding them) as
+  // ParameterShard lays it, and frees them.
+  void take(ParameterStore& store, int64_t branch, const std::vector<size_t>& members);
+  // What take() kept of a branch's replicated parameters (experts: its expert slices), flat [chunk].
+  at::Tensor owned(bool experts, int64_t branch) const;
+
+ private:
+  World& world_;
+  const ExpertGroups& experts_;
+  std::map<std::pair<bool, int64_t>, at::Tensor> owned_;
+};
+
 class ParameterSets {
  public:
-  ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts);
+  // Under ZeRO-3 `shards` holds what the model's branches left (the model built with its take()).
+  ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts,
+                const BranchShards* shards = nullptr);
   ~ParameterSets();
 
-  // Every rank's parameters made equal to its set's first rank's (a fresh start's safety net).
+  // Every rank's parameters made equal to its set's first rank's (a fresh start's safety net;
+  // ZeRO-3's shards are each rank's own).
   void broadcast_parameters();
+  // The parameters from a checkpoint's file: each rank reads what it holds (its rows; under
+  // ZeRO-3 its shard of each branch's parameters).
+  void load_parameters(const SafetensorsReader& file);
   // Each set's optimizer state (its shard of its slice) from a checkpoint's file.
   void load_optimizer(const SafetensorsReader& file);
 
@@ -64,6 +95,7 @@ class ParameterSets {
   TensorStream optimizer_stream();
 
   int64_t optimizer_state_bytes() const;  // this rank's
+  int64_t parameter_bytes() const;        // this rank's, kept between uses (ZeRO-3: its shards)
   int64_t gradient_bytes() const;         // this rank's, kept between micro-steps
   int64_t bucket_bytes() const;           // ZeRO-2's largest bucket (0 otherwise)
   std::string describe() const;           // one line for the run's start
@@ -73,9 +105,12 @@ class ParameterSets {
 
  private:
   struct Set;
+  class Residency;
   std::vector<std::unique_ptr<Set>> sets_;
+  std::unique_ptr<Residency> residency_;  // ZeRO-3
+  Transformer& model_;
   World& world_;
-  const ParameterStore& params_;
+  ParameterStore& params_;
   int64_t zero_ = 0;
   int64_t expert_slices_ = 1;  // P
   Group* expert_split_ = nullptr;

@@ -32,9 +32,38 @@ class GradientReady final : public torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
+ReductionsInFlight::~ReductionsInFlight() {
+  for (Entry& e : entries_) try {
+      e.work->wait();
+    } catch (...) {  // a failed job: its error is being reported already
+    }
+}
+
+void ReductionsInFlight::push(std::unique_ptr<PendingCollective> work, at::Tensor buffer, at::Tensor received,
+                              at::Tensor target) {
+  entries_.push_back({std::move(work), std::move(buffer), std::move(received), std::move(target)});
+}
+
+void ReductionsInFlight::make_room() {
+  while (entries_.size() >= kMaxInFlight) complete_oldest();
+}
+
+void ReductionsInFlight::complete_oldest() {
+  Entry e = std::move(entries_.front());
+  entries_.erase(entries_.begin());
+  e.work->wait();
+  if (e.target.defined()) e.target.add_(e.received);  // undefined: this rank's piece is empty
+}
+
+void ReductionsInFlight::drain() {
+  at::NoGradGuard no_grad;
+  while (!entries_.empty()) complete_oldest();
+}
+
 ShardedGradients::ShardedGradients(const std::vector<const Parameter*>& params, const ParameterShard& shard,
-                                   Group& group, int64_t bucket_bytes)
-    : params_(params), shard_(shard), group_(group) {
+                                   Group& group, int64_t bucket_bytes, std::shared_ptr<ReductionsInFlight> in_flight)
+    : params_(params), shard_(shard), group_(group),
+      in_flight_(in_flight ? std::move(in_flight) : std::make_shared<ReductionsInFlight>()) {
   const auto& ps = params_;
   int64_t start = 0;
   for (const Parameter* p : ps) {
@@ -62,10 +91,6 @@ ShardedGradients::ShardedGradients(const std::vector<const Parameter*>& params, 
 
 ShardedGradients::~ShardedGradients() {
   for (const Parameter* p : params_) torch::autograd::impl::post_acc_grad_hooks(p->tensor).reset();
-  for (InFlight& f : in_flight_) try {
-      f.work->wait();
-    } catch (...) {  // a failed job: its error is being reported already
-    }
 }
 
 void ShardedGradients::begin_step() { gradient_.zero_(); }
@@ -101,25 +126,20 @@ void ShardedGradients::launch(Bucket& b) {
     pieces.push_back(b.buffer.narrow(0, lo - b.begin, hi - lo));
     if (r == group_.rank()) mine_begin = lo;
   }
-  at::Tensor received = at::empty({pieces[size_t(group_.rank())].numel()}, gradient_.options());
-  while (in_flight_.size() >= kMaxInFlight) complete_oldest();
-  in_flight_.push_back({group_.reduce_scatter(pieces, received), b.buffer, received, mine_begin - shard_.begin});
+  const int64_t n = pieces[size_t(group_.rank())].numel();
+  in_flight_->make_room();
+  at::Tensor received = at::empty({n}, gradient_.options());
+  in_flight_->push(group_.reduce_scatter(pieces, received), b.buffer, received,
+                   n > 0 ? gradient_.narrow(0, mine_begin - shard_.begin, n) : at::Tensor());
   b.buffer = at::Tensor();
   b.arrived = 0;
   ++next_launch_;
 }
 
-void ShardedGradients::complete_oldest() {
-  InFlight f = std::move(in_flight_.front());
-  in_flight_.erase(in_flight_.begin());
-  f.work->wait();
-  if (f.received.numel() > 0) gradient_.narrow(0, f.offset, f.received.numel()).add_(f.received);
-}
-
 void ShardedGradients::finish_micro_step() {
   at::NoGradGuard no_grad;
   while (next_launch_ < buckets_.size()) launch(buckets_[next_launch_]);
-  while (!in_flight_.empty()) complete_oldest();
+  in_flight_->drain();
   next_launch_ = 0;
 }
 

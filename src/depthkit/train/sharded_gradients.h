@@ -19,13 +19,36 @@ struct Parameter;
 class Group;
 class PendingCollective;
 
+// The reduce-scatters in flight, oldest first: at most two at once, each added into its shard's
+// gradient when it completes. Shared by the sets of one job (ZeRO-3 has one per branch), so that
+// the bound holds over all of them: the buckets alive at once, and so the memory, stay two.
+class ReductionsInFlight {
+ public:
+  ~ReductionsInFlight();
+  // Waits for the oldest while two are in flight: called before starting another.
+  void make_room();
+  // Tracks `work`, whose result `received` is to be added to `target`; `buffer` (its input) is
+  // kept alive until then.
+  void push(std::unique_ptr<PendingCollective> work, at::Tensor buffer, at::Tensor received, at::Tensor target);
+  void drain();  // every one completed and added
+
+ private:
+  struct Entry {
+    std::unique_ptr<PendingCollective> work;
+    at::Tensor buffer, received, target;
+  };
+  void complete_oldest();
+  std::vector<Entry> entries_;
+};
+
 class ShardedGradients {
  public:
   // The gradients of `params` (one set, laid end to end in order as AdamW lays them; `shard`
   // over the ranks of `group`). Buckets hold whole parameters in reverse order (the order backward
   // produces them), about `bucket_bytes` each. Installs a post-accumulation hook on each one.
+  // `in_flight`: shared with the job's other sets (absent: this set's own).
   ShardedGradients(const std::vector<const Parameter*>& params, const ParameterShard& shard, Group& group,
-                   int64_t bucket_bytes);
+                   int64_t bucket_bytes, std::shared_ptr<ReductionsInFlight> in_flight = nullptr);
   ~ShardedGradients();
   ShardedGradients(const ShardedGradients&) = delete;
   ShardedGradients& operator=(const ShardedGradients&) = delete;
@@ -33,7 +56,8 @@ class ShardedGradients {
   // Before an optimizer step's first micro-step: the shard's gradient set to zero.
   void begin_step();
   // After each micro-step's backward: the buckets not yet sent (a parameter that received no
-  // gradient counts as zero) sent in order, and every reduction waited for and added in.
+  // gradient counts as zero) sent in order, and every reduction in flight (of any set sharing
+  // them) waited for and added in.
   void finish_micro_step();
   // The shard's gradient, flat [chunk] (zero past the share): the sum over ranks and micro-steps.
   at::Tensor& gradient() { return gradient_; }
@@ -51,14 +75,8 @@ class ShardedGradients {
     int64_t arrived = 0;            // parameters whose gradient is in `buffer`
     at::Tensor buffer;              // [end − begin], while filling or in flight
   };
-  struct InFlight {
-    std::unique_ptr<PendingCollective> work;
-    at::Tensor buffer, received;  // kept alive until the work completes
-    int64_t offset;               // of `received` in the shard
-  };
   void launch_ready();
   void launch(Bucket& b);
-  void complete_oldest();
 
   std::vector<const Parameter*> params_;
   ParameterShard shard_;
@@ -67,7 +85,7 @@ class ShardedGradients {
   std::vector<size_t> bucket_of_;       // parameter → bucket
   std::vector<int64_t> offset_of_;      // parameter → its first element in the concatenation
   size_t next_launch_ = 0;              // buckets launch in order, on every rank alike
-  std::vector<InFlight> in_flight_;
+  std::shared_ptr<ReductionsInFlight> in_flight_;
   at::Tensor gradient_;
   int64_t largest_bucket_bytes_ = 0;
 };

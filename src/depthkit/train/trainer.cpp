@@ -244,13 +244,20 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
     start.memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
     reset_device_peak(device);
+    // ZeRO-3: each branch's parameters sharded as soon as they are drawn.
+    BranchShards shards(world, start.experts);
+    Transformer::BranchBuilt built;
+    if (cfg.train.zero >= 3)
+      built = [&shards](ParameterStore& store, int64_t l, const std::vector<size_t>& members) {
+        shards.take(store, l, members);
+      };
     start.model.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat,
-                        compute_dtype_of(cfg.train), start.experts.placement);
+                        compute_dtype_of(cfg.train), start.experts.placement, built);
     start.model->set_recompute(cfg.train.recompute);
-    start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, start.experts);
+    start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, start.experts, &shards);
     start.st.seed = cfg.train.seed;
     if (ckpt) {
-      start.model->parameters().load(*ckpt->weights);
+      start.sets->load_parameters(*ckpt->weights);
       start.sets->load_optimizer(*ckpt->optimizer);  // this rank's shard of its slice only
       start.st = ckpt->state;
       restore_rng_state(start.st.rng_state, (ckpt->dir / "state.json").string());
@@ -533,6 +540,7 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
                             {"zero", cfg_.train.zero},
                             {"optimizer_state_bytes_per_rank", sets_.optimizer_state_bytes()},
                             {"gradient_bytes_per_rank", sets_.gradient_bytes()},
+                            {"parameter_bytes_per_rank", sets_.parameter_bytes()},
                             {"gradient_bucket_bytes", sets_.bucket_bytes()},
                             {"expert_parallel", cfg_.model.moe.expert_parallel},
                             {"recompute", cfg_.train.recompute}};
