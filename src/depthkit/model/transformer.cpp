@@ -46,8 +46,9 @@ Transformer::Transformer(const ModelConfig& model, const ResidualConfig& residua
     if (const std::string why = MoeFeedForward::grouped_unsupported(device, compute_, cfg_.d_model, cfg_.moe.expert_d_ff);
         !why.empty())
       fail("building the model: key 'moe.expert_impl' is \"grouped\", but ", why, "; use \"auto\" or \"loop\"");
-  // A model whose weights alone exceed the machine's memory is refused before anything is allocated.
-  if (!device.is_meta()) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
+  // A model whose weights alone exceed the machine's memory is refused before anything is allocated
+  // (unless `built` shards it as it is drawn: the trainer has counted the shards).
+  if (!device.is_meta() && !built) check_fits_in_memory(model, residual, int64_t(c10::elementSize(dtype)), "building the model");
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
   embedding_ = params_.add("embedding", "embedding", {V, d}, Init::Normal, cfg_.init_std);
   // Each branch's parameters, by their names' prefix (layers.i.attention, layers.i.feed_forward).

@@ -219,6 +219,30 @@ void undo_start(RunDirectory& run) {
   }
 }
 
+// Weights, gradients and AdamW's two moments, float32, of the `local_ranks` ranks (of `ranks`) that
+// share this machine's memory, counted before a byte of them is allocated (on the meta device),
+// each sharded as train.zero says (ZeRO-3 keeps the embedding, head and pathway whole). Refused in
+// one line when they exceed the machine's memory. On GPUs the state is the device's: the machine
+// holds one parameter at a time while the model is built, and is not checked.
+void check_training_fits(const Config& cfg, int64_t ranks, int64_t local_ranks) {
+  if (cfg.train.device == "cuda") return;
+  const ParameterCounts c = Transformer(cfg.model, cfg.residual, at::kMeta, 0).count();
+  int64_t whole = 0;  // kept whole on every rank under ZeRO-3
+  for (const auto& [component, n] : c.by_component)
+    if (component == "embedding" || component == "lm_head" || component == "residual") whole += n;
+  const double P = double(c.total), W = double(ranks), zero = double(cfg.train.zero);
+  const double per_rank = 4 * (zero >= 3 ? double(whole) + (P - double(whole)) / W : P) + 4 * (zero >= 2 ? P / W : P) +
+                          8 * (zero >= 1 ? P / W : P);
+  const double bytes = per_rank * double(local_ranks);
+  if (bytes > double(physical_memory_bytes()))
+    fail("training the model: its ", c.total, " parameters need ", int64_t(std::min(bytes, 9e18)), " bytes on this machine (",
+         "float32 weights, gradients and AdamW's two moments on its ", local_ranks, " rank", local_ranks > 1 ? "s" : "",
+         ", train.zero = ", cfg.train.zero, "), beyond its ", physical_memory_bytes(),
+         " bytes of memory; reduce model.vocab_size, model.d_model, model.d_ff or model.n_layers",
+         cfg.model.moe.enabled() ? " (or moe.n_experts, moe.expert_d_ff)" : "",
+         cfg.train.zero < 3 ? ", or shard more (train.zero)" : ", or put fewer ranks on each machine");
+}
+
 // What every rank trains from: the model and its optimizer, fresh or from the checkpoint.
 struct StartState {
   ExpertGroups experts;  // before the model: it holds this rank's experts only
@@ -238,8 +262,7 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
   try {
     if (!world.root() && resume_step >= 0)
       ckpt = load_checkpoint(*find_checkpoint(opt.run_dir, checkpoint_name(resume_step)), true);
-    // Weights, gradients and two AdamW moments, all float32, before a byte of them is allocated.
-    Transformer::check_fits_in_memory(cfg.model, cfg.residual, 16, "training the model");
+    check_training_fits(cfg, world.size(), opt.launch.local_world_size);
     TensorMemory::install();  // counts from here: the model, its optimizer state, every step
     start.memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
@@ -612,7 +635,7 @@ void check_job_start(const TrainOptions& opt, int64_t ranks) {
   check_layout(opt.config, ranks);
   // Every rank is local: the last one needs the most GPUs.
   const StartInputs inputs = open_start_inputs(opt, ranks - 1);
-  Transformer::check_fits_in_memory(opt.config.model, opt.config.residual, 16, "training the model");
+  check_training_fits(opt.config, ranks, ranks);
   if (fs::is_directory(opt.run_dir)) DirectoryLock probe(opt.run_dir);  // taken and let go: is it free?
   if (opt.resume) {
     const fs::path dir = *find_checkpoint(opt.run_dir);
