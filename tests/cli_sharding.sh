@@ -56,6 +56,10 @@ train zero3_4 4 --set train.zero=3 "${R[@]}"
 compare zero3_4 ddp_4 --param-limit 1e-4 || fail "ZeRO-3 on 4 ranks differs from data parallel"
 grep -q "ZeRO-3: AdamW state of .*, parameters .* bytes between uses (5 units)" zero3_2.log \
   || fail "ZeRO-3 does not report its per-rank state"
+# Each branch gathered before forward and again before backward's recomputation (4 branches here),
+# all but the first of each pass while the branch before it ran.
+gathers() { json '["parameter_gathers_per_step"]' <$1/summary.json; }
+[ "$(gathers zero3_2)" = "{'all': 8.0, 'prefetched': 6.0}" ] || fail "ZeRO-3's gathers per step: $(gathers zero3_2)"
 train bf16 2 --set train.dtype=bfloat16
 train zero3_bf16 2 --set train.dtype=bfloat16 --set train.zero=3 "${R[@]}"
 compare zero3_bf16 bf16 --exact || fail "ZeRO-3 in bfloat16 differs from data parallel in bfloat16"
@@ -69,6 +73,8 @@ train recompute_layer 1 --set train.recompute=layer
 compare recompute_layer one --exact || fail "train.recompute = layer changed the run"
 train recompute_layer_zero3 2 --set train.recompute=layer --set train.zero=3
 compare recompute_layer_zero3 one --exact || fail "train.recompute = layer changed the ZeRO-3 run"
+[ "$(gathers recompute_layer_zero3)" = "{'all': 8.0, 'prefetched': 6.0}" ] \
+  || fail "ZeRO-3's gathers per step under layer recomputation: $(gathers recompute_layer_zero3)"
 
 # Per-rank memory on a model whose state outweighs its activations (5.4M parameters in 32 layers,
 # none over 66k, one sequence of 16 tokens a micro-step): gradients and AdamW state are 1/W each,
@@ -179,6 +185,11 @@ moe ep2_recompute 2 --set residual.kind=dar --set moe.expert_parallel=2 --set tr
 compare ep2_recompute ep2_dar --exact || fail "recomputation changed the expert-parallel run"
 moe ep2_zero3_layer 4 --set residual.kind=dar --set moe.expert_parallel=2 --set train.zero=3 --set train.recompute=layer
 compare ep2_zero3_layer ep2_zero3 --exact || fail "layer recomputation changed the ZeRO-3 expert-parallel run"
+# All of it in bfloat16: experts over 2 with ZeRO-3 and recomputation against experts over 2 alone.
+moe ep2_bf16 2 --set residual.kind=dar --set moe.expert_parallel=2 --set train.dtype=bfloat16
+moe ep2_zero3_bf16 2 --set residual.kind=dar --set moe.expert_parallel=2 --set train.dtype=bfloat16 --set train.zero=3 \
+  --set train.recompute=layer
+compare ep2_zero3_bf16 ep2_bf16 --exact || fail "ZeRO-3 with recomputation changed the bfloat16 expert-parallel run"
 
 # A checkpoint of 4 ranks, experts over 2, ZeRO-2 or ZeRO-3, resumes on 1 rank and on 2 ranks
 # (ZeRO-1, experts whole): the tensors are named and shaped as one rank's. The micro-batches stay

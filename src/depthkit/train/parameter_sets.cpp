@@ -122,13 +122,19 @@ class ParameterSets::Residency final : public BranchResidency {
   void acquire(int64_t l, bool backward) override {
     at::NoGradGuard no_grad;
     if (!resident_[size_t(l)]) {
-      if (pending_[size_t(l)].empty()) start(l);
+      ++counts_.all;
+      if (pending_[size_t(l)].empty())
+        start(l);
+      else
+        ++counts_.prefetched;
       finish(l);
     }
     const int64_t next = backward ? l - 1 : l + 1;
     if (next >= 1 && next < int64_t(by_branch_.size()) && !resident_[size_t(next)] && pending_[size_t(next)].empty())
       start(next);
   }
+
+  const Gathers& counts() const { return counts_; }
 
   void release(int64_t l, bool) override {
     for (Set* set : by_branch_[size_t(l)])
@@ -178,6 +184,7 @@ class ParameterSets::Residency final : public BranchResidency {
   std::vector<std::vector<Set*>> by_branch_;  // [ℓ], ℓ = 1 … branches
   std::vector<std::vector<Gather>> pending_;   // [ℓ]: gathers started and not yet laid out
   std::vector<bool> resident_;                 // [ℓ]: its parameters whole
+  Gathers counts_;
 };
 
 ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts,
@@ -387,6 +394,8 @@ int64_t ParameterSets::optimizer_state_bytes() const {
   for (const auto& set : sets_) n += set->optim->state_bytes();
   return n;
 }
+
+ParameterSets::Gathers ParameterSets::gathers() const { return residency_ ? residency_->counts() : Gathers{}; }
 
 int64_t ParameterSets::parameter_bytes() const {
   int64_t n = 0;

@@ -102,6 +102,12 @@ class ParameterSets {
   // The bytes this rank has handed to each kind of collective, over all its groups (the
   // Reducer's all-reduces counted as the gradients it averages).
   std::map<std::string, int64_t> traffic() const;
+  // ZeRO-3: the branches gathered so far, and how many of them had their gather started ahead
+  // (prefetched while the branch before them ran); {0, 0} otherwise.
+  struct Gathers {
+    int64_t all = 0, prefetched = 0;
+  };
+  Gathers gathers() const;
 
  private:
   struct Set;

@@ -342,6 +342,7 @@ class StepLoop {
   BatchLoader loader_;
   LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
   std::map<std::string, int64_t> step_traffic_;  // bytes rank 0 handed to each collective in the steps
+  ParameterSets::Gathers step_gathers_;           // ZeRO-3's branch gathers in the steps
   std::optional<MetricsLog> metrics_;  // rank 0's
 };
 
@@ -392,8 +393,11 @@ TrainResult StepLoop::run() {
     world_.set_step(st_.step);
     const auto step_start = std::chrono::steady_clock::now();
     std::map<std::string, int64_t> traffic = sets_.traffic();
+    const ParameterSets::Gathers gathers = sets_.gathers();
     const Step s = step();
     for (const auto& [collective, bytes] : sets_.traffic()) step_traffic_[collective] += bytes - traffic[collective];
+    step_gathers_.all += sets_.gathers().all - gathers.all;
+    step_gathers_.prefetched += sets_.gathers().prefetched - gathers.prefetched;
     step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     ++st_.step;
     st_.tokens_seen += tokens_per_step;
@@ -576,6 +580,11 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
     for (const auto& [collective, bytes] : step_traffic_)
       traffic[collective] = bytes / std::max<int64_t>(1, int64_t(result.losses.size()));
     summary["communication_bytes_per_step"] = traffic;
+    if (cfg_.train.zero >= 3) {  // per step: the branches gathered, and those whose gather was started ahead
+      const double steps = double(std::max<size_t>(1, result.losses.size()));
+      summary["parameter_gathers_per_step"] = {{"all", double(step_gathers_.all) / steps},
+                                               {"prefetched", double(step_gathers_.prefetched) / steps}};
+    }
   }
   write_file_atomic(run_.dir / "summary.json", summary.dump(2) + "\n");
 }
