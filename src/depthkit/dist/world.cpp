@@ -257,6 +257,16 @@ struct World::Impl {
     }
   }
 
+  // The host, ended by what a round showed before every rank read it (a rank launched with another
+  // WORLD_SIZE), waits until the ranks it knows of have read its own entry, at most 2 × kSilence:
+  // each then names the disagreement itself, instead of "rank 0 is gone".
+  void linger_until_host_read(const std::string& round) {
+    if (rank != 0 || agent_store) return;
+    const auto until = std::chrono::steady_clock::now() + 2 * kSilence;
+    while (store->add(cat(round, "/read0"), 0) < size && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(5ms);
+  }
+
   std::vector<Json> exchange_through_store(const std::string& round, const Json& mine, const std::string& what,
                                            const std::function<void(int64_t, const Json&)>& arrived) {
     const auto key = [&](int64_t r) { return cat(round, "/", r); };
@@ -269,7 +279,13 @@ struct World::Impl {
     for (;;) {
       while (next < size && store->check({key(next)})) {
         all[next] = Json::parse(as_string(store->get(key(next))), nullptr, false);
-        if (arrived) arrived(next, all[next]);
+        if (next == 0) store->add(cat(round, "/read0"), 1);  // the host may wait for this (below)
+        if (arrived) try {
+            arrived(next, all[next]);
+          } catch (const Error&) {  // a disagreement ends this rank: let the others read the host's entry first
+            linger_until_host_read(round);
+            throw;
+          }
         ++next;
       }
       if (next == size) {
