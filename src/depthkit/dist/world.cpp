@@ -469,13 +469,9 @@ void Group::broadcast(at::Tensor& t, int64_t root) {
 
 at::Tensor Group::all_gather(const at::Tensor& shard) {
   if (size() == 1) return shard.clone();
-  count("all_gather", shard.nbytes());
   const at::Tensor in = shard.to(impl_->device).contiguous();
   at::Tensor out = at::empty({size() * in.numel()}, in.options());
-  std::vector<std::vector<at::Tensor>> outs(1);
-  for (int64_t r = 0; r < size(); ++r) outs[0].push_back(out.narrow(0, r * in.numel(), in.numel()));
-  std::vector<at::Tensor> ins{in};
-  impl_->wait(impl_->pg->allgather(outs, ins));
+  all_gather_into(in, out)->wait();
   return out.to(shard.device());
 }
 

@@ -12,7 +12,6 @@
 
 #include <utility>
 
-#include "depthkit/model/recompute.h"
 #include "depthkit/nn/precision.h"
 #include "depthkit/ops/shared_source.h"
 #include "depthkit/util/error.h"
@@ -140,6 +139,18 @@ void Transformer::set_branch_residency(BranchResidency* residency) {
   residency_ = residency;
 }
 
+RegionHooks Transformer::residency_hooks(int64_t first, int64_t last) {
+  RegionHooks hooks;
+  if (!residency_) return hooks;
+  hooks.before = [this, first, last](bool backward) {
+    for (int64_t k = 0; k <= last - first; ++k) residency_->acquire(backward ? last - k : first + k, backward);
+  };
+  hooks.after = [this, first, last](bool backward) {
+    for (int64_t l = first; l <= last; ++l) residency_->release(l, backward);
+  };
+  return hooks;
+}
+
 at::Tensor Transformer::branch_with_stats(int64_t l, const at::Tensor& h, MoeStats& stats) {
   const int64_t layer = (l - 1) / 2;
   if (l % 2 == 1 || !moe_[size_t(layer)]) return branch(l, h);
@@ -211,18 +222,7 @@ void Transformer::recomputed_layer(int64_t i, PathwayState& state) {
     for (size_t k : branch_members_[size_t(l)]) parameters.push_back(params_.all()[k].tensor);
   for (const auto& p : params_.all())
     if (p.component == "residual") parameters.push_back(p.tensor);
-  RegionHooks hooks;
-  if (residency_) {  // in backward the second branch first: its gather then prefetches the first
-    hooks.before = [this, first](bool backward) {
-      residency_->acquire(backward ? first + 1 : first, backward);
-      residency_->acquire(backward ? first : first + 1, backward);
-    };
-    hooks.after = [this, first](bool backward) {
-      residency_->release(first, backward);
-      residency_->release(first + 1, backward);
-    };
-  }
-  const std::vector<at::Tensor> out = run_recomputed(region, inputs, parameters, hooks);
+  const std::vector<at::Tensor> out = run_recomputed(region, inputs, parameters, residency_hooks(first, first + 1));
   // The outputs laid into the slots the forward run set, now differentiable; a shared source again
   // a shared source of the enclosing graph, whose sum the region's run in backward takes up.
   const std::vector<StateTensor> after = state.tensors();
@@ -253,12 +253,7 @@ at::Tensor Transformer::recomputed_branch(int64_t l, const at::Tensor& h) {
   };
   std::vector<at::Tensor> parameters;
   for (size_t i : branch_members_[size_t(l)]) parameters.push_back(params_.all()[i].tensor);
-  RegionHooks hooks;
-  if (residency_) {
-    hooks.before = [this, l](bool backward) { residency_->acquire(l, backward); };
-    hooks.after = [this, l](bool backward) { residency_->release(l, backward); };
-  }
-  const std::vector<at::Tensor> out = run_recomputed(region, {h}, parameters, hooks);
+  const std::vector<at::Tensor> out = run_recomputed(region, {h}, parameters, residency_hooks(l, l));
   if (moe) stats_[size_t(layer)] = MoeStats{out[1], out[2], *load};
   return out[0];
 }

@@ -13,6 +13,7 @@
 #include "depthkit/config/config.h"
 #include "depthkit/model/layers.h"
 #include "depthkit/model/moe.h"
+#include "depthkit/model/recompute.h"
 #include "depthkit/nn/parameters.h"
 #include "depthkit/pathways/pathway.h"
 
@@ -152,6 +153,10 @@ class Transformer {
   // Layer i (branches 2i + 1, 2i + 2, with the pathway's reads and writes) under recomputation:
   // advances `state` as running them would.
   void recomputed_layer(int64_t i, PathwayState& state);
+  // The recomputed region's hooks for branches first … last: each branch acquired from the
+  // residency before (in backward from the last, so that its gather prefetches the one before),
+  // released after. None without a residency.
+  RegionHooks residency_hooks(int64_t first, int64_t last);
   // f_ℓ's output, an MoE branch's statistics into `stats`.
   at::Tensor branch_with_stats(int64_t l, const at::Tensor& h, MoeStats& stats);
   void collect_terms();

@@ -44,6 +44,10 @@ struct ParameterSets::Set {
   // of them, flat [chunk]: the only copy it keeps between uses, and what AdamW updates.
   int64_t branch = 0;
   at::Tensor owned;
+  // The bytes of parameters this rank keeps between steps: its ZeRO-3 shard, or all of them.
+  int64_t parameter_bytes() const {
+    return branch > 0 ? owned.nbytes() : optim->total_elements() * int64_t(sizeof(float));
+  }
   std::vector<at::Tensor> tensors(const ParameterStore& store) const {
     std::vector<at::Tensor> out;
     for (size_t i : members) out.push_back(store.all()[i].tensor);
@@ -399,8 +403,7 @@ ParameterSets::Gathers ParameterSets::gathers() const { return residency_ ? resi
 
 int64_t ParameterSets::parameter_bytes() const {
   int64_t n = 0;
-  for (const auto& set : sets_)
-    n += set->branch > 0 ? set->owned.nbytes() : set->optim->total_elements() * int64_t(sizeof(float));
+  for (const auto& set : sets_) n += set->parameter_bytes();
   return n;
 }
 
@@ -430,7 +433,7 @@ std::string ParameterSets::describe() const {
     k.held += o.shard().end - o.shard().begin;
     k.total += o.total_elements();
     k.state += o.state_bytes();
-    k.parameters += set->branch > 0 ? set->owned.nbytes() : o.total_elements() * int64_t(sizeof(float));
+    k.parameters += set->parameter_bytes();
     if (set->sharded) {
       k.gradients += set->sharded->shard_bytes();
       k.bucket = std::max(k.bucket, set->sharded->bucket_bytes());
