@@ -89,6 +89,8 @@ std::vector<Field> fields(Config& c) {
       {"train", "timeout_s", &t.timeout_s, 0.1, 1e6},
       {"train", "dtype", &t.dtype, -kInf, kInf, {"float32", "bfloat16"}},
       {"train", "recompute", &t.recompute, -kInf, kInf, {"none", "branch", "layer"}},
+      {"train", "pipeline_stages", &t.pipeline_stages, 1, 1 << 16},
+      {"train", "virtual_stages", &t.virtual_stages, 1, 1 << 16},
       {"optim", "lr", &o.lr, 0, 10},
       {"optim", "min_lr", &o.min_lr, 0, 10},
       {"optim", "warmup_steps", &o.warmup_steps, 0, kInf},
@@ -229,6 +231,17 @@ void validate(const Config& c, const std::string& where, const ConfigRules& rule
   if (c.train.zero == 3 && c.train.recompute == "none")
     fail(where, ": key 'train.zero' is 3, which needs key 'train.recompute' = \"branch\" or \"layer\" (got \"none\"): "
          "ZeRO-3 gathers a branch's parameters again in backward, where the branch runs again");
+  if (const int64_t chunks = c.train.pipeline_stages * c.train.virtual_stages; chunks > m.n_layers)
+    fail(where, ": key 'train.pipeline_stages' × 'train.virtual_stages' (", c.train.pipeline_stages, " × ",
+         c.train.virtual_stages, " = ", chunks, ") exceeds model.n_layers (", m.n_layers,
+         "): every chunk of a stage needs a layer of its own");
+  if (c.train.virtual_stages > 1 && c.train.pipeline_stages == 1)
+    fail(where, ": key 'train.virtual_stages' is ", c.train.virtual_stages,
+         ", which needs key 'train.pipeline_stages' > 1 (virtual stages interleave the chunks of several stages)");
+  if (c.train.virtual_stages > 1 && c.train.grad_accum % c.train.pipeline_stages != 0)
+    fail(where, ": key 'train.grad_accum' (", c.train.grad_accum, ") must be a multiple of key 'train.pipeline_stages' (",
+         c.train.pipeline_stages, ") when key 'train.virtual_stages' is ", c.train.virtual_stages,
+         ": the interleaved schedule runs the micro-batches in groups of one per stage");
   if (!m.moe.enabled() && m.moe.expert_parallel > 1)
     fail(where, ": key 'moe.expert_parallel' is ", m.moe.expert_parallel, " but the model has no experts (moe.n_experts = 0)");
   if (rules.check) rules.check(c, where);  // the kind's own checks, from above (ConfigRules)

@@ -125,6 +125,12 @@ struct TrainConfig {
   // "none" | "branch" (each attention and feed-forward branch) | "layer" (each layer with the
   // pathway's reads and writes; Transformer::set_recompute).
   std::string recompute = "none";
+  // Pipeline stages (docs/training.md, "Pipeline stages"; train/pipeline.h): the layers cut into
+  // pipeline_stages × virtual_stages chunks of consecutive layers, chunk c on stage c mod
+  // pipeline_stages, each stage a block of WORLD_SIZE / pipeline_stages ranks, run by a 1F1B
+  // schedule over the train.grad_accum micro-batches (interleaved when virtual_stages > 1).
+  int64_t pipeline_stages = 1;
+  int64_t virtual_stages = 1;
 };
 
 struct OptimConfig {

@@ -491,14 +491,10 @@ at::Tensor Group::all_to_all(const at::Tensor& input, const std::vector<int64_t>
   return out.to(input.device());
 }
 
-void Group::send(const at::Tensor& t, int64_t dst) {
-  count("send", t.nbytes());
-  std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
-  impl_->wait(impl_->pg->send(ts, int(dst), 0));
-}
+void Group::send(const at::Tensor& t, int64_t dst, int tag) { isend(t, dst, tag)->wait(); }
 
-void Group::recv(at::Tensor& t, int64_t src) {
-  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->recv(ts, int(src), 0); });
+void Group::recv(at::Tensor& t, int64_t src, int tag) {
+  impl_->on_device(t, [&](std::vector<at::Tensor>& ts) { return impl_->pg->recv(ts, int(src), tag); });
 }
 
 namespace {
@@ -522,6 +518,14 @@ class Done final : public PendingCollective {
 };
 
 }  // namespace
+
+std::unique_ptr<PendingCollective> Group::isend(const at::Tensor& t, int64_t dst, int tag) {
+  count("send", t.nbytes());
+  std::vector<at::Tensor> ts{t.to(impl_->device).contiguous()};
+  // The work keeps its tensors alive until it completes.
+  return std::make_unique<PendingWork>(impl_->pg->send(ts, int(dst), tag),
+                                       [impl = impl_.get(), ts](const c10::intrusive_ptr<c10d::Work>& w) { impl->wait(w); });
+}
 
 std::unique_ptr<PendingCollective> Group::reduce_scatter(const std::vector<at::Tensor>& pieces, at::Tensor out) {
   if (int64_t(pieces.size()) != size() || pieces[size_t(rank_)].numel() != out.numel())

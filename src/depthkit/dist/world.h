@@ -99,9 +99,12 @@ class Group {
   // rows received, recv_counts[i] from member i, in member order (the counts agreed beforehand).
   at::Tensor all_to_all(const at::Tensor& input, const std::vector<int64_t>& send_counts,
                         const std::vector<int64_t>& recv_counts);
-  // Point to point, by place among the members.
-  void send(const at::Tensor& t, int64_t dst);
-  void recv(at::Tensor& t, int64_t src);
+  // Point to point, by place among the members. `tag` pairs a send with its receive (Gloo matches
+  // by tag; NCCL in the order they are issued between two members, which the pipeline keeps).
+  void send(const at::Tensor& t, int64_t dst, int tag = 0);
+  void recv(at::Tensor& t, int64_t src, int tag = 0);
+  // A send started and not waited for (the pipeline's): the tensor is kept until wait().
+  std::unique_ptr<PendingCollective> isend(const at::Tensor& t, int64_t dst, int tag);
   // Averages the gradients of `params` over the members (c10d's Reducer; World::gradient_reducer).
   std::unique_ptr<GradientReducer> gradient_reducer(const std::vector<at::Tensor>& params,
                                                     int64_t bucket_bytes = 25 << 20);

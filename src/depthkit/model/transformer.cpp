@@ -91,19 +91,23 @@ std::vector<double> MoeTerms::load_max_over_mean() const {
   return out;
 }
 
-void Transformer::collect_terms() {
+void Transformer::collect_terms(int64_t first, int64_t last) {
   terms_ = MoeTerms{};
   if (!cfg_.moe.enabled()) return;
   at::Tensor balance, z;
+  int64_t moe_layers = 0;  // in the whole model: a pipeline stage's means are its share of the model's
   for (int64_t i = 0; i < cfg_.n_layers; ++i) {
     if (!moe_[i]) continue;
+    ++moe_layers;
+    if (i < first || i >= last) continue;
     const MoeStats& s = stats_[i];
     balance = balance.defined() ? balance + s.aux_loss : s.aux_loss;
     z = z.defined() ? z + s.z_loss : s.z_loss;
     terms_.load.push_back(s.load);
     terms_.layers.push_back(i);
   }
-  const double n = double(terms_.layers.size());
+  if (terms_.layers.empty()) return;  // a stage without MoE layers
+  const double n = double(moe_layers);
   // The optimised auxiliary loss sums the layers' terms (Switch, Megatron); the logged balance
   // and z-loss are their means over layers, so that 1.0 is uniform use at any depth.
   terms_.aux_loss = cfg_.moe.aux_loss_coef * balance + cfg_.moe.z_loss_coef * z;
@@ -258,11 +262,12 @@ at::Tensor Transformer::recomputed_branch(int64_t l, const at::Tensor& h) {
   return out[0];
 }
 
-at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding) {
+void Transformer::run_layers(PathwayState& state, int64_t first, int64_t last, const AfterBranch& after_branch,
+                             const Decoding* decoding) {
   // Whole layers under layer recomputation (analysis, which looks between branches, and decoding
   // go branch by branch).
   const bool by_layer = recompute_ == Recompute::Layer && !after_branch && !decoding;
-  for (int64_t l = 1; l <= cfg_.n_branches(); ++l) {
+  for (int64_t l = 2 * first + 1; l <= 2 * last; ++l) {
     if (by_layer) {
       recomputed_layer((l - 1) / 2, state);
       ++l;
@@ -276,7 +281,22 @@ at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch
                      : recompute_ != Recompute::None ? recomputed_branch(l, h) : branch(l, h));
     if (after_branch) after_branch(l, state);
   }
-  collect_terms();
+}
+
+void Transformer::run_stage(PathwayState& state, int64_t first, int64_t last) {
+  if (!rope_) fail("model built on the meta device cannot run");
+  run_layers(state, first, last, {}, nullptr);
+  collect_terms(first, last);
+}
+
+at::Tensor Transformer::stage_lm_loss(PathwayState& state, const at::Tensor& targets) {
+  const at::Tensor h = ops_.rms_norm(path_->finish(state), final_norm_, cfg_.norm_eps).reshape({-1, cfg_.d_model});
+  return ops_.cross_entropy(h, cast_like(lm_head_, h), targets.reshape({-1})).to(params_.dtype());
+}
+
+at::Tensor Transformer::run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding) {
+  run_layers(state, 0, cfg_.n_layers, after_branch, decoding);
+  collect_terms(0, cfg_.n_layers);
   return ops_.rms_norm(path_->finish(state), final_norm_, cfg_.norm_eps);
 }
 

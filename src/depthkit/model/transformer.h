@@ -117,6 +117,12 @@ class Transformer {
   // weights; 16 to train: weights, gradients, two AdamW moments) exceed the machine's memory.
   static void check_fits_in_memory(const ModelConfig& model, const ResidualConfig& residual,
                                    int64_t bytes_per_parameter, const std::string& what);
+  // A pipeline stage's part of the forward pass (train/pipeline.h): layers [first, last) over a
+  // pathway state (begun on embed(), or taken up from the stage before by stage_in), their MoE
+  // terms in moe_terms() (aux_loss undefined where the range has no MoE layer); and on the last
+  // stage, the mean next-token cross-entropy of the final state against targets int64 [B, T].
+  void run_stage(PathwayState& state, int64_t first, int64_t last);
+  at::Tensor stage_lm_loss(PathwayState& state, const at::Tensor& targets);
   // The pieces of the forward pass, for analysis and tests that drive the seam themselves.
   at::Tensor embed(const at::Tensor& tokens) const;          // int64 [B, T] → [B, T, d], compute dtype
   at::Tensor branch(int64_t l, const at::Tensor& h) const;  // f_ℓ, ℓ = 1 … 2·n_layers
@@ -159,7 +165,9 @@ class Transformer {
   RegionHooks residency_hooks(int64_t first, int64_t last);
   // f_ℓ's output, an MoE branch's statistics into `stats`.
   at::Tensor branch_with_stats(int64_t l, const at::Tensor& h, MoeStats& stats);
-  void collect_terms();
+  // The MoE terms of layers [first, last) (means over the model's MoE layers).
+  void collect_terms(int64_t first, int64_t last);
+  // Layers [first, last) over a begun pathway state (branches 2·first + 1 … 2·last).
   // The branches over a begun pathway state, then the final norm: hidden() and extend() (with
   // `decoding`, whose attention reads and fills the caches).
   struct Decoding {
@@ -167,6 +175,8 @@ class Transformer {
     const DecodeChunk& chunk;
   };
   at::Tensor run(PathwayState& state, const AfterBranch& after_branch, const Decoding* decoding);
+  void run_layers(PathwayState& state, int64_t first, int64_t last, const AfterBranch& after_branch,
+                  const Decoding* decoding);
   std::unique_ptr<ResidualPathway> path_;
   std::unique_ptr<Rope> rope_;
 };

@@ -81,10 +81,11 @@ at::Tensor shared_source_deferred(const at::Tensor& x, std::shared_ptr<DeferredS
   return y;
 }
 
-void seed_accumulator(const at::Tensor& x, const at::Tensor& sum) {
+bool seed_accumulator(const at::Tensor& x, const at::Tensor& sum) {
   auto* node = dynamic_cast<SharedSourceNode*>(x.grad_fn().get());
-  if (!node || !sum.defined()) return;
+  if (!node || !sum.defined()) return false;
   node->ctx_.saved_data[kAccumulator] = sum;
+  return true;
 }
 
 namespace {

@@ -38,8 +38,10 @@ struct DeferredSum {
   at::Tensor sum;  // set by the node's backward (undefined: no read added into it)
 };
 at::Tensor shared_source_deferred(const at::Tensor& x, std::shared_ptr<DeferredSum> deferred);
-// Starts the accumulator of `x`, a shared source made in a region's run in backward, from `sum`.
-void seed_accumulator(const at::Tensor& x, const at::Tensor& sum);
+// Starts the accumulator of `x`, a shared source made in a region's run in backward (or a
+// pipeline stage's source whose later reads ran on the next stage), from `sum`, in the reads'
+// accumulation dtype. False, and nothing done, when x is not a shared source.
+bool seed_accumulator(const at::Tensor& x, const at::Tensor& sum);
 
 // Recomputation (model/recompute.h) runs a region again on detached copies of its inputs. Where an
 // input is a shared source of the enclosing graph, the region's reads add its gradient into that

@@ -113,6 +113,30 @@ at::Tensor AttnRes::finish(PathwayState& state) {
   return read_sources(out_query_, s.completed, s.values, s.B, s.T);
 }
 
+StageState AttnRes::stage_out(PathwayState& state, int64_t) {
+  History& s = history(state);
+  const bool sepv = !value_maps_.empty();
+  StageState out;
+  out.width = sepv ? 2 : 1;  // SepV: each source's mapped value travels beside it
+  for (size_t i = 0; i < s.completed.size(); ++i) {
+    out.sources.push_back(s.completed[i]);
+    if (sepv) out.sources.push_back(s.values[i]);
+  }
+  if (s.partial.defined()) out.carried.push_back(s.partial);
+  return out;
+}
+
+std::unique_ptr<PathwayState> AttnRes::stage_in(const StageState& in, int64_t, int64_t B, int64_t T) {
+  auto s = std::make_unique<History>();
+  s->B = B, s->T = T, s->d = in.sources.at(0).size(-1);
+  for (size_t i = 0; i < in.sources.size(); i += size_t(in.width)) {
+    s->completed.push_back(s->source(in.sources[i]));
+    if (in.width == 2) s->values.push_back(s->source(in.sources[i + 1]));
+  }
+  if (!in.carried.empty()) s->partial = in.carried[0];
+  return s;
+}
+
 // ---- Registry entries (registry.h) --------------------------------------------------------------
 
 namespace {

@@ -52,6 +52,22 @@ at::Tensor AttnResMhc::finish(PathwayState& state) {
   return attnres_.finish(*both(state).attnres) + mhc_.finish(*both(state).mhc);
 }
 
+// AttnRes's sources and partial, then mHC's streams as the last carried tensor.
+StageState AttnResMhc::stage_out(PathwayState& state, int64_t l) {
+  StageState out = attnres_.stage_out(*both(state).attnres, l);
+  out.carried.push_back(mhc_.stage_out(*both(state).mhc, l).carried.at(0));
+  return out;
+}
+
+std::unique_ptr<PathwayState> AttnResMhc::stage_in(const StageState& in, int64_t l, int64_t B, int64_t T) {
+  StageState attnres = in;
+  attnres.carried.pop_back();
+  auto s = std::make_unique<Both>();
+  s->attnres = attnres_.stage_in(attnres, l, B, T);
+  s->mhc = mhc_.stage_in({{}, 1, {in.carried.back()}}, l, B, T);
+  return s;
+}
+
 
 void AttnResMhc::set_observer(PathwayObserver* observer) {
   attnres_.set_observer(observer);  // the retrieval weights are AttnRes's

@@ -143,6 +143,32 @@ at::Tensor Dar::finish(PathwayState& state) {
   return s.shaped(out);
 }
 
+StageState Dar::stage_out(PathwayState& state, int64_t) {
+  DualHistory& s = dual(state);
+  StageState out;
+  out.width = 2;  // H_r⁰, H_r¹
+  for (size_t i = 0; i < s.h0.size(); ++i) {
+    out.sources.push_back(s.h0[i]);
+    out.sources.push_back(s.h1[i]);
+  }
+  if (s.p0.defined()) out.carried = {s.p0, s.p1};  // the block's partial P⁰, P¹ (β is the next read's)
+  return out;
+}
+
+std::unique_ptr<PathwayState> Dar::stage_in(const StageState& in, int64_t, int64_t B, int64_t T) {
+  auto s = std::make_unique<DualHistory>();
+  s->B = B, s->T = T, s->d = in.sources.at(0).size(-1);
+  for (size_t i = 0; i + 1 < in.sources.size(); i += 2) {
+    s->h0.push_back(s->entry(in.sources[i]));
+    s->h1.push_back(s->entry(in.sources[i + 1]));
+  }
+  if (!in.carried.empty()) {
+    s->p0 = in.carried.at(0);
+    s->p1 = in.carried.at(1);
+  }
+  return s;
+}
+
 std::vector<at::Tensor> Dar::stream_states(PathwayState& state) {
   DualHistory& s = dual(state);
   if (s.p0.defined()) return {s.shaped(s.p0), s.shaped(s.p1)};

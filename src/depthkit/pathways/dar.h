@@ -34,6 +34,9 @@ class Dar final : public ResidualPathway {
   at::Tensor read(PathwayState& state, int64_t branch) override;
   void write(PathwayState& state, int64_t branch, const at::Tensor& out) override;
   at::Tensor finish(PathwayState& state) override;
+  StageState stage_out(PathwayState& state, int64_t branch) override;
+  std::unique_ptr<PathwayState> stage_in(const StageState& in, int64_t branch, int64_t B, int64_t T) override;
+  int64_t sources_after(int64_t branch) const override { return schedule_.sources_after(branch); }
   std::vector<at::Tensor> stream_states(PathwayState& state) override;  // [P⁰, P¹] or newest [H⁰, H¹]
   void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) override;
   std::map<std::string, bool> operators() const override { return ops_.all(); }

@@ -68,6 +68,15 @@ std::vector<at::Tensor> Mhc::stream_states(PathwayState& state) {
   return out;
 }
 
+// The m streams travel whole (m·d per token): mHC has no single-stream summary to send instead.
+StageState Mhc::stage_out(PathwayState& state, int64_t) { return {{}, 1, {streams(state).x.contiguous()}}; }
+
+std::unique_ptr<PathwayState> Mhc::stage_in(const StageState& in, int64_t, int64_t, int64_t) {
+  auto s = std::make_unique<Streams>();
+  s->x = in.carried.at(0);
+  return s;
+}
+
 void Mhc::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
   check_stream_count(states, size_t(m_), kind());
   streams(state).x = at::stack(states, 2);

@@ -193,6 +193,25 @@ at::Tensor Msar::finish(PathwayState& state) {
   return s.last_input + s.last_output;  // residual merge of the last branch
 }
 
+StageState Msar::stage_out(PathwayState& state, int64_t) {
+  Sources& s = sources(state);
+  if (s.tails) fail("residual.kind \"msar\": a decoding state cannot cross a pipeline stage boundary");
+  // Single-stream sources only (MSAR §3.4): each stage expands them by their banks itself.
+  StageState out;
+  out.sources = s.raw;
+  if (s.partial.defined()) out.carried.push_back(s.partial);
+  return out;
+}
+
+std::unique_ptr<PathwayState> Msar::stage_in(const StageState& in, int64_t, int64_t, int64_t) {
+  auto s = std::make_unique<Sources>();
+  // Source i ≥ 1 is block i's sum, appended by its last branch i·S with that branch's bank.
+  for (size_t i = 0; i < in.sources.size(); ++i)
+    append(*s, in.sources[i], i == 0 ? 0 : std::min(int64_t(i) * schedule_.size, schedule_.branches));
+  if (!in.carried.empty()) s->partial = in.carried[0];
+  return s;
+}
+
 // ---- Registry entry (registry.h) ----------------------------------------------------------------
 
 PathwayKind msar_pathway_kind() {

@@ -52,6 +52,8 @@ struct BlockSchedule {
   bool closes(int64_t l) const { return l % size == 0 || l == branches; }
   // The number of blocks, ⌈L_b / S⌉.
   int64_t blocks() const { return (branches + size - 1) / size; }
+  // The completed sources after branch ℓ (the embedding and the blocks closed by then).
+  int64_t sources_after(int64_t l) const { return 1 + (l == branches ? blocks() : l / size); }
   // The block b = 1 … blocks() that holds branch ℓ; at ℓ it has b completed sources before it
   // (the embedding and blocks 1 … b − 1).
   int64_t block_of(int64_t l) const { return (l - 1) / size + 1; }
@@ -80,6 +82,19 @@ struct PathwayState {
   // and lay the region's outputs back in.
   virtual std::unique_ptr<PathwayState> clone() const = 0;
   virtual std::vector<StateTensor> tensors() = 0;
+};
+
+// What crosses a pipeline stage boundary (docs/design.md, "Pipeline stages"): the state after a
+// layer, as the next stage takes it up. `sources` are the depth sources completed so far, `width`
+// tensors each, source by source (AttnRes's summary; with SepV its mapped value too; DAR's pair
+// H⁰, H¹), which a stage that already holds them (the same rank's earlier virtual stage of the
+// micro-batch) does not receive again; `carried` is the rest that later branches read: a block's
+// partial (absent at a block boundary), the residual stream, mHC's m streams. Never a tensor the
+// receiver can make itself (MSAR's expansions and taps, DAR's gate of the last read).
+struct StageState {
+  std::vector<at::Tensor> sources;
+  int64_t width = 1;
+  std::vector<at::Tensor> carried;
 };
 
 // What a pathway carries from one chunk of positions to the next while decoding (docs/design.md,
@@ -118,6 +133,16 @@ class ResidualPathway {
   // Intervention (the rescue-gain analysis): replaces the states stream_states() returns, so that
   // the following branches read the replacement. Throws where the pathway keeps no streams.
   virtual void set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states);
+
+  // Pipeline stages (train/pipeline.h): the state after branch ℓ as it crosses to the next stage,
+  // and the state a stage continues from after branch ℓ, made from it (each tensor a leaf of the
+  // receiving stage's graph; sources appended as begin() and write() append them). B, T: the
+  // micro-batch's sequences and positions. The default: the pathway cannot cross a boundary.
+  virtual StageState stage_out(PathwayState& state, int64_t branch);
+  virtual std::unique_ptr<PathwayState> stage_in(const StageState& in, int64_t branch, int64_t B, int64_t T);
+  // The depth sources the state holds after branch ℓ (0 … L_b; 0 = right after begin()): what a
+  // stage of the micro-batch that ran branches up to ℓ already holds. 0 for a pathway without any.
+  virtual int64_t sources_after(int64_t branch) const { return 0; }
 
   // The depthkit operators the pathway runs, each with whether it runs fused (true) or as its
   // reference composition (false): residual.impl, and with "fused" whether the model's device has

@@ -30,6 +30,14 @@ void StandardResidual::write(PathwayState& state, int64_t, const at::Tensor& out
 
 at::Tensor StandardResidual::finish(PathwayState& state) { return stream(state).h; }
 
+StageState StandardResidual::stage_out(PathwayState& state, int64_t) { return {{}, 1, {stream(state).h}}; }
+
+std::unique_ptr<PathwayState> StandardResidual::stage_in(const StageState& in, int64_t, int64_t, int64_t) {
+  auto s = std::make_unique<Stream>();
+  s->h = in.carried.at(0);
+  return s;
+}
+
 void StandardResidual::set_stream_states(PathwayState& state, const std::vector<at::Tensor>& states) {
   check_stream_count(states, 1, kind());
   stream(state).h = states[0];

@@ -236,7 +236,7 @@ void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, const s
   step_ = get("step", at::scalar_tensor(0, at::kLong)).item<int64_t>();
 }
 
-TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) const {
+TensorStream AdamW::state_stream(Group& world, int64_t slices, bool with_step) const {
   TensorStream out;
   for (const char* moment : {"exp_avg.", "exp_avg_sq."})
     for (const Parameter* p : members_) out.specs.push_back({moment + p->name, exp_avg_.scalar_type(), p->full_shape});
@@ -244,12 +244,12 @@ TensorStream AdamW::state_stream(World& world, int64_t slices, bool with_step) c
   out.produce = [this, &world, slices, with_step](const TensorStream::Sink& sink) {
     for (const at::Tensor* moment : {&exp_avg_, &exp_avg_sq_})
       for (size_t j = 0; j < members_.size(); ++j) relay_member(world, slices, j, *moment, sink);
-    if (with_step && world.root()) sink(at::scalar_tensor(step_, at::kLong));
+    if (with_step && world.rank() == 0) sink(at::scalar_tensor(step_, at::kLong));
   };
   return out;
 }
 
-void AdamW::relay_member(World& world, int64_t slices, size_t j, const at::Tensor& flat,
+void AdamW::relay_member(Group& world, int64_t slices, size_t j, const at::Tensor& flat,
                          const TensorStream::Sink& sink) const {
   const int64_t piece = (int64_t(16) << 20) / int64_t(flat.element_size());
   // Member k of slice q's group owns elements [bounds[k], bounds[k + 1]) of the set laid flat
@@ -260,7 +260,7 @@ void AdamW::relay_member(World& world, int64_t slices, size_t j, const at::Tenso
   const int64_t start = starts_[j], n = members_[j]->tensor.numel();
   for (int64_t q = 0; q < slices; ++q)  // the parameter's rows, slice after slice
     for (int64_t k = 0; k < owners; ++k) {
-      const int64_t owner = q + k * slices;  // its world rank
+      const int64_t owner = q + k * slices;  // its place in the group
       const int64_t lo = std::max(start, bounds[size_t(k)]), hi = std::min(start + n, bounds[size_t(k) + 1]);
       for (int64_t at = lo; at < hi; at += piece) {
         const int64_t len = std::min(piece, hi - at);
@@ -269,12 +269,13 @@ void AdamW::relay_member(World& world, int64_t slices, size_t j, const at::Tenso
     }
 }
 
-void relay_to_root(World& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink) {
-  if (owner == world.rank() && world.root()) {
+void relay_to_root(Group& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink) {
+  const bool root = world.rank() == 0;
+  if (owner == world.rank() && root) {
     sink(piece);
   } else if (owner == world.rank()) {
     world.send(piece, 0);
-  } else if (world.root()) {
+  } else if (root) {
     at::Tensor received = at::empty(piece.sizes(), piece.options().requires_grad(false));
     world.recv(received, owner);
     sink(received);

@@ -23,7 +23,7 @@ namespace depthkit {
 
 class ParameterStore;
 struct Parameter;
-class World;
+class Group;
 class Group;
 
 // The elements [begin, end) of the concatenated parameters that rank `rank` of `ranks` owns:
@@ -79,16 +79,16 @@ class AdamW {
   NamedTensors state(const at::Tensor& exp_avg_all, const at::Tensor& exp_avg_sq_all) const;
   // The same state as a stream for the checkpoint (io/safetensors.h), tensors named and shaped as
   // on one rank: every exp_avg, then every exp_avg_sq, in registration order, then (with_step)
-  // step. Sharded, each rank's share is sent to rank 0 in pieces of at most 16 MiB, in the file's
-  // order: no rank ever holds more than its shard and one piece. The set's ranks are
-  // world ranks q + j·slices, j the place in its data-parallel group, q < slices the slice of
-  // the parameters they hold (expert parallelism: rows q of P of every expert tensor; 1: whole).
-  // Every rank of `world` runs the producer.
-  TensorStream state_stream(World& world, int64_t slices = 1, bool with_step = true) const;
+  // step. Sharded, each rank's share is sent to the group's first member in pieces of at most
+  // 16 MiB, in the file's order: no rank ever holds more than its shard and one piece. `world` is
+  // the data-parallel group (every rank; a pipeline stage's ranks), whose member q + j·slices holds
+  // slice q < slices of the parameters (expert parallelism: rows q of P of every expert tensor; 1:
+  // whole) and place j in the set's own group. Every member of `world` runs the producer.
+  TensorStream state_stream(Group& world, int64_t slices = 1, bool with_step = true) const;
   // Member j's elements of a tensor laid flat as the shards are ([chunk] on each rank, as the
   // moments), handed to `sink` on rank 0 in order, in pieces of at most 16 MiB (relay_to_root):
   // what state_stream does for each moment, and ZeRO-3 for the parameters themselves.
-  void relay_member(World& world, int64_t slices, size_t j, const at::Tensor& flat, const TensorStream::Sink& sink) const;
+  void relay_member(Group& world, int64_t slices, size_t j, const at::Tensor& flat, const TensorStream::Sink& sink) const;
   // Takes the shard's elements from a checkpoint's full state.
   void load_state(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
   // The same from the file, reading the shard's elements only (of this rank's slice).
@@ -123,10 +123,10 @@ class AdamW {
   at::Tensor exp_avg_, exp_avg_sq_;
 };
 
-// One piece of a checkpoint's stream, held by world rank `owner`: rank 0 hands it to `sink`,
+// One piece of a checkpoint's stream, held by member `owner` of the group: its first member hands it to `sink`,
 // received from the owner when another rank holds it. Every rank passes a tensor of the piece's
 // shape and dtype (its own copy of it, on the owner); every rank calls this for every piece.
-void relay_to_root(World& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink);
+void relay_to_root(Group& world, int64_t owner, const at::Tensor& piece, const TensorStream::Sink& sink);
 
 // ZeRO-1 and -2 after each step: every rank's updated shard of the parameters given to every rank
 // of `group` (the set's data-parallel group), all-gathered in pieces of `gathered_bytes` from all

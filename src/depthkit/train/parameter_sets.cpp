@@ -14,15 +14,16 @@
 
 namespace depthkit {
 
-ExpertGroups ExpertGroups::of(World& world, const Config& cfg) {
+ExpertGroups ExpertGroups::of(World& world, Group& data, const Config& cfg) {
   ExpertGroups g;
-  const int64_t P = cfg.model.moe.expert_parallel, W = world.size(), r = world.rank();
+  const int64_t P = cfg.model.moe.expert_parallel, W = data.size(), r = data.rank();
   if (P == 1) return g;
   if (W % P != 0)
-    fail("key 'moe.expert_parallel' (", P, ") must divide the number of ranks (", W, ")");
+    fail("key 'moe.expert_parallel' (", P, ") must divide the number of ranks that hold the same layers (", W, ")");
+  const std::vector<int64_t>& members = data.members();  // their ranks in the job
   std::vector<int64_t> split, replicas;
-  for (int64_t i = 0; i < P; ++i) split.push_back(r / P * P + i);
-  for (int64_t i = r % P; i < W; i += P) replicas.push_back(i);
+  for (int64_t i = 0; i < P; ++i) split.push_back(members[size_t(r / P * P + i)]);
+  for (int64_t i = r % P; i < W; i += P) replicas.push_back(members[size_t(i)]);
   g.split = world.group("experts", split);
   g.replicas = world.group("expert-replicas", replicas);
   const int64_t per_rank = cfg.model.moe.n_experts / P;
@@ -35,6 +36,11 @@ ExpertGroups ExpertGroups::of(World& world, const Config& cfg) {
 struct ParameterSets::Set {
   std::vector<size_t> members;
   Group* group = nullptr;
+  // Pipeline stages: the chunk whose backward makes these gradients, or StageParameters::
+  // kEveryStage for the parameters every stage reads (over every rank; gradients summed after the
+  // step's last backward, reduce_every_stage). 0 without stages.
+  int64_t chunk = 0;
+  bool every_stage() const { return chunk == StageParameters::kEveryStage; }
   int64_t slices = 1;  // P for the experts: each rank holds one slice of P
   std::optional<AdamW> optim;
   std::unique_ptr<GradientReducer> reducer;   // ZeRO ≤ 1
@@ -70,16 +76,9 @@ int64_t bucket_bytes_for(const std::vector<at::Tensor>& tensors, int64_t configu
 
 }  // namespace
 
-namespace {
-
-// ZeRO-3 frees a parameter's memory and gives it back, keeping the tensor itself (its shape, its
-// autograd identity, every module's handle on it): only its storage is swapped (as FSDP resizes
-// a storage to 0). Nothing reads a freed parameter: the branches run between acquire and release.
-void free_storage(const at::Tensor& t) {
+void release_storage(const at::Tensor& t) {
   t.unsafeGetTensorImpl()->set_storage_keep_dtype(at::empty({0}, t.options()).storage());
 }
-
-}  // namespace
 
 void BranchShards::take(ParameterStore& store, int64_t branch, const std::vector<size_t>& members) {
   at::NoGradGuard no_grad;
@@ -92,7 +91,7 @@ void BranchShards::take(ParameterStore& store, int64_t branch, const std::vector
         sizes.push_back(store.all()[i].tensor.numel());
       }
     if (part.empty()) continue;
-    const Group& group = experts ? *experts_.replicas : world_.all();
+    const Group& group = experts ? *experts_.replicas : data_;
     const ParameterShard shard = ParameterShard::of(sizes, group.rank(), group.size());
     at::Tensor owned = at::zeros({shard.chunk}, part.front()->tensor.options().requires_grad(false));
     int64_t start = 0;  // of the parameter in the branch's parameters laid flat
@@ -100,7 +99,7 @@ void BranchShards::take(ParameterStore& store, int64_t branch, const std::vector
       const int64_t n = p->tensor.numel();
       const int64_t lo = std::max(start, shard.begin), hi = std::min(start + n, shard.end);
       if (lo < hi) owned.narrow(0, lo - shard.begin, hi - lo).copy_(p->tensor.detach().view(-1).narrow(0, lo - start, hi - lo));
-      free_storage(p->tensor);
+      release_storage(p->tensor);
       start += n;
     }
     owned_[{experts, branch}] = owned;
@@ -142,7 +141,7 @@ class ParameterSets::Residency final : public BranchResidency {
 
   void release(int64_t l, bool) override {
     for (Set* set : by_branch_[size_t(l)])
-      for (const Parameter* p : set->optim->members()) free_storage(p->tensor);
+      for (const Parameter* p : set->optim->members()) release_storage(p->tensor);
     resident_[size_t(l)] = false;
   }
 
@@ -191,9 +190,10 @@ class ParameterSets::Residency final : public BranchResidency {
   Gathers counts_;
 };
 
-ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world, ExpertGroups& experts,
-                             const BranchShards* shards)
-    : model_(model), world_(world), params_(model.parameters()), zero_(cfg.train.zero) {
+ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world, Group& data, ExpertGroups& experts,
+                             const BranchShards* shards, const StageParameters* stages)
+    : model_(model), world_(world), data_(data), pipe_(stages ? stages->pipe : nullptr), params_(model.parameters()),
+      zero_(cfg.train.zero) {
   ParameterStore& store = model.parameters();
   const auto& all = store.all();
   // The branch each parameter belongs to (ZeRO-3's units; 0: none).
@@ -202,21 +202,30 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
   if (zero_ >= 3)
     for (int64_t l = 1; l <= model.config().n_branches(); ++l)
       for (size_t i : model.branch_members(l)) branch_of[i] = l;
-  // Replicated and expert parameters, each cut by branch under ZeRO-3: one set per (slice, branch).
-  std::map<std::pair<bool, int64_t>, std::unique_ptr<Set>> by_key;
+  // Replicated and expert parameters, each cut by branch under ZeRO-3 and by chunk of layers under
+  // pipeline stages: one set per (chunk, slice, branch); those every stage reads last.
+  std::map<std::tuple<int64_t, bool, int64_t>, std::unique_ptr<Set>> by_key;
   for (size_t i = 0; i < all.size(); ++i) {
-    auto& set = by_key[{all[i].is_slice(), branch_of[i]}];
+    const int64_t chunk = stages ? stages->chunk.at(i) : 0;
+    if (chunk == StageParameters::kNotHeld) continue;
+    // Sorted last: the sets of a run without stages keep their order.
+    const int64_t order = chunk == StageParameters::kEveryStage ? std::numeric_limits<int64_t>::max() : chunk;
+    auto& set = by_key[{order, all[i].is_slice(), branch_of[i]}];
     if (!set) {
       set = std::make_unique<Set>();
       set->branch = branch_of[i];
-      if (all[i].is_slice()) {
+      set->chunk = chunk;
+      if (set->every_stage()) {
+        if (all[i].is_slice()) fail("ParameterSets: expert slice '", all[i].name, "' cannot be read by every stage");
+        set->group = &world.all();
+      } else if (all[i].is_slice()) {
         expert_slices_ = cfg.model.moe.expert_parallel;
         expert_split_ = experts.split.get();
         expert_replicas_ = experts.replicas.get();
         set->group = experts.replicas.get();
         set->slices = expert_slices_;
       } else {
-        set->group = &world.all();
+        set->group = &data;
       }
     }
     set->members.push_back(i);
@@ -232,7 +241,9 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
                        set->members);
     const std::vector<at::Tensor> tensors = set->tensors(store);
     set->bucket_bytes = bucket_bytes_for(tensors, cfg.train.bucket_bytes);
-    if (cfg.train.zero >= 2)
+    if (set->every_stage())  // averaged by reduce_every_stage; its AdamW state sharded as ZeRO-1 shards it
+      ;
+    else if (cfg.train.zero >= 2)
       set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g,
                                                         set->bucket_bytes, in_flight);
     else
@@ -264,10 +275,10 @@ void ParameterSets::broadcast_parameters() {
 }
 
 void ParameterSets::load_parameters(const SafetensorsReader& file) {
-  std::vector<bool> held(params_.all().size(), true);
+  std::vector<bool> held(params_.all().size(), false);  // whole on this rank
   for (const auto& set : sets_)
-    if (set->branch > 0)
-      for (size_t i : set->members) held[i] = false;
+    if (set->branch == 0)
+      for (size_t i : set->members) held[i] = true;
   params_.load(file, held);  // checks every tensor; copies those held whole
   for (auto& set : sets_)
     if (set->branch > 0) set->optim->read_shard(file, "", set->owned);
@@ -285,40 +296,72 @@ void ParameterSets::begin_step() {
     if (set->sharded) set->sharded->begin_step();
 }
 
-void ParameterSets::begin_micro_step(bool last) {
+void ParameterSets::begin_micro_step(bool last, int64_t chunk) {
   for (auto& set : sets_) {
-    if (!set->reducer) continue;
+    if (!set->reducer || (chunk != kAllChunks && set->chunk != chunk)) continue;
     set->reducer->begin_micro_step(last);
     if (last && set->group->size() > 1)  // the Reducer all-reduces every gradient of the set once
       set->group->count("all_reduce", set->optim->total_elements() * int64_t(sizeof(float)));
   }
 }
 
-void ParameterSets::before_backward() {
+void ParameterSets::before_backward(int64_t chunk) {
   for (auto& set : sets_)
-    if (set->reducer) set->reducer->before_backward();
+    if (set->reducer && (chunk == kAllChunks || set->chunk == chunk)) set->reducer->before_backward();
 }
 
-void ParameterSets::after_backward() {
+void ParameterSets::after_backward(int64_t chunk) {
   for (auto& set : sets_)
-    if (set->sharded) set->sharded->finish_micro_step();
+    if (set->sharded && (chunk == kAllChunks || set->chunk == chunk)) set->sharded->finish_micro_step();
+}
+
+void ParameterSets::reduce_every_stage() {
+  at::NoGradGuard no_grad;
+  for (auto& set : sets_) {
+    if (!set->every_stage()) continue;
+    // A stage that never read a parameter has no gradient for it: zeros, laid flat with the rest.
+    std::vector<at::Tensor> grads;
+    for (at::Tensor t : set->tensors(params_)) {
+      if (!t.grad().defined()) t.mutable_grad() = at::zeros_like(t);
+      grads.push_back(t.grad().view(-1));
+    }
+    at::Tensor flat = at::cat(grads);
+    world_.all().all_reduce_sum(flat);
+    flat.div_(double(data_.size()));  // the sum over stages of each stage's mean over its ranks
+    int64_t at = 0;
+    for (at::Tensor& g : grads) {
+      g.copy_(flat.narrow(0, at, g.numel()));
+      at += g.numel();
+    }
+  }
 }
 
 std::map<std::string, int64_t> ParameterSets::traffic() const {
   std::map<std::string, int64_t> out;
-  for (const Group* g : {&world_.all(), expert_split_, expert_replicas_})
+  std::vector<const Group*> groups = {&data_, expert_split_, expert_replicas_, pipe_};
+  if (&data_ != &world_.all()) groups.push_back(&world_.all());
+  for (const Group* g : groups)
     if (g)
       for (const auto& [name, bytes] : g->traffic()) out[name] += bytes;
   return out;
 }
 
 double ParameterSets::clip(double max_norm) {
+  reduce_every_stage();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients;
-  // Σ g² on the device (read once): of what every rank holds whole, and of what is split over ranks.
+  // Σ g² on the device (read once): of what every rank of the data group holds whole, of what is
+  // split over its ranks, and (pipeline stages) of what every rank holds.
   const at::TensorOptions on_device = at::TensorOptions(at::kDouble).device(params_.device());
-  at::Tensor whole = at::zeros({}, on_device), split = at::zeros({}, on_device);
+  at::Tensor whole = at::zeros({}, on_device), split = at::zeros({}, on_device), everywhere = at::zeros({}, on_device);
   for (auto& set : sets_) {
+    if (set->every_stage()) {
+      for (at::Tensor t : set->tensors(params_)) {
+        add_sum_of_squares(everywhere, t.grad());
+        gradients.push_back(t.mutable_grad());
+      }
+      continue;
+    }
     // The mean over all W ranks. An expert's gradient on a rank already sums the contributions of
     // the P ranks that sent it tokens, and its group (the W / P ranks holding the same experts)
     // sums or averages the rest: 1 / (group size · P), or 1 / P after the reducer's mean. (Scaled
@@ -339,11 +382,14 @@ double ParameterSets::clip(double max_norm) {
   }
   // Shards add up over every rank; expert slices (whole on each replica) over the ranks that
   // split the experts; what every rank holds whole counts once.
-  const at::Tensor sums = at::stack({whole, split}).to(at::kCPU);
+  const at::Tensor sums = at::stack({whole, split, everywhere}).to(at::kCPU);
   at::Tensor split_sum = sums.narrow(0, 1, 1).clone();
-  if (zero_ >= 2) world_.all_reduce_sum(split_sum);
+  if (zero_ >= 2) data_.all_reduce_sum(split_sum);
   else if (expert_split_) expert_split_->all_reduce_sum(split_sum);
-  const double total = std::sqrt(sums.data_ptr<double>()[0] + split_sum.data_ptr<double>()[0]);
+  // This stage's sum, then (pipeline stages) every stage's; what every stage holds counts once.
+  at::Tensor stage_sum = split_sum + sums.narrow(0, 0, 1);
+  if (pipe_) pipe_->all_reduce_sum(stage_sum);
+  const double total = std::sqrt(stage_sum.data_ptr<double>()[0] + sums.data_ptr<double>()[2]);
   clip_to(total, max_norm, gradients);
   return total;
 }
@@ -357,35 +403,50 @@ void ParameterSets::step(double lr) {
   }
 }
 
-TensorStream ParameterSets::model_stream() {
+TensorStream ParameterSets::model_stream(bool every_stage) {
   TensorStream out;
-  for (const auto& p : params_.all()) out.specs.push_back({p.name, p.tensor.scalar_type(), p.full_shape});
-  // ZeRO-3: where each parameter's shards are (its set, its place there).
+  // The parameters of this part, in the store's order; ZeRO-3: where each one's shards are (its
+  // set, its place there).
+  std::vector<size_t> part;
   std::vector<std::pair<const Set*, size_t>> sharded(params_.all().size(), {nullptr, 0});
+  std::vector<bool> in_part(params_.all().size(), false);
   for (const auto& set : sets_)
-    if (set->branch > 0)
-      for (size_t j = 0; j < set->members.size(); ++j) sharded[set->members[j]] = {set.get(), j};
-  out.produce = [this, sharded](const TensorStream::Sink& sink) {
-    for (size_t i = 0; i < params_.all().size(); ++i) {
+    if (set->every_stage() == every_stage)
+      for (size_t j = 0; j < set->members.size(); ++j) {
+        in_part[set->members[j]] = true;
+        if (set->branch > 0) sharded[set->members[j]] = {set.get(), j};
+      }
+  for (size_t i = 0; i < params_.all().size(); ++i)
+    if (in_part[i]) {
+      part.push_back(i);
+      const Parameter& p = params_.all()[i];
+      out.specs.push_back({p.name, p.tensor.scalar_type(), p.full_shape});
+    }
+  Group& group = every_stage ? world_.all() : data_;
+  out.produce = [this, part, sharded, &group](const TensorStream::Sink& sink) {
+    for (size_t i : part) {
       const Parameter& p = params_.all()[i];
       if (const auto& [set, j] = sharded[i]; set) {
-        set->optim->relay_member(world_, set->slices, j, set->owned, sink);
+        set->optim->relay_member(data_, set->slices, j, set->owned, sink);
       } else if (!p.is_slice()) {
-        if (world_.root()) sink(p.tensor.detach());
+        if (group.rank() == 0) sink(p.tensor.detach());
       } else {
-        // Rows of slice q are held by world rank q (the first block of ranks splits the experts).
-        for (int64_t q = 0; q < expert_slices_; ++q) relay_to_root(world_, q, p.tensor.detach(), sink);
+        // Rows of slice q are held by the group's member q (its first P members split the experts).
+        for (int64_t q = 0; q < expert_slices_; ++q) relay_to_root(data_, q, p.tensor.detach(), sink);
       }
     }
   };
   return out;
 }
 
-TensorStream ParameterSets::optimizer_stream() {
+TensorStream ParameterSets::optimizer_stream(bool every_stage, bool with_step) {
   TensorStream out;
   std::vector<TensorStream> parts;
-  for (size_t i = 0; i < sets_.size(); ++i)
-    parts.push_back(sets_[i]->optim->state_stream(world_, sets_[i]->slices, /*with_step=*/i == 0));
+  for (auto& set : sets_)
+    if (set->every_stage() == every_stage) {
+      parts.push_back(set->optim->state_stream(every_stage ? world_.all() : data_, set->slices, with_step));
+      with_step = false;  // once, with the first set
+    }
   for (const TensorStream& part : parts) out.specs.insert(out.specs.end(), part.specs.begin(), part.specs.end());
   out.produce = [parts](const TensorStream::Sink& sink) {
     for (const TensorStream& part : parts) part.produce(sink);

@@ -22,6 +22,7 @@
 #include "depthkit/train/metrics_log.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/train/parameter_sets.h"
+#include "depthkit/train/pipeline.h"
 #include "depthkit/train/schedule.h"
 #include "depthkit/util/device.h"
 #include "depthkit/util/error.h"
@@ -226,11 +227,24 @@ void undo_start(RunDirectory& run) {
 // holds one parameter at a time while the model is built, and is not checked.
 void check_training_fits(const Config& cfg, int64_t ranks, int64_t local_ranks) {
   if (cfg.train.device == "cuda") return;
-  const ParameterCounts c = Transformer(cfg.model, cfg.residual, at::kMeta, 0).count();
-  int64_t whole = 0;  // kept whole on every rank under ZeRO-3
-  for (const auto& [component, n] : c.by_component)
-    if (component == "embedding" || component == "lm_head" || component == "residual") whole += n;
-  const double P = double(c.total), W = double(ranks), zero = double(cfg.train.zero);
+  const Transformer meta(cfg.model, cfg.residual, at::kMeta, 0);
+  const ParameterCounts c = meta.count();
+  // Under pipeline stages, the stage holding the most (its layers, and the embedding or the head).
+  const PipelineLayout layout = PipelineLayout::of(cfg);
+  int64_t held = 0, whole = 0;  // whole: kept whole on every rank under ZeRO-3
+  for (int64_t stage = 0; stage < layout.stages; ++stage) {
+    const StageParameters sp = stage_parameters(meta.parameters(), layout, stage);
+    int64_t n = 0, kept = 0;
+    for (size_t i = 0; i < sp.chunk.size(); ++i) {
+      if (sp.chunk[i] == StageParameters::kNotHeld) continue;
+      const Parameter& p = meta.parameters().all()[i];
+      n += p.tensor.numel();
+      if (p.component == "embedding" || p.component == "lm_head" || p.component == "residual" || p.name == "final_norm")
+        kept += p.tensor.numel();
+    }
+    if (n > held) held = n, whole = kept;
+  }
+  const double P = double(held), W = double(ranks / layout.stages), zero = double(cfg.train.zero);
   const double per_rank = 4 * (zero >= 3 ? double(whole) + (P - double(whole)) / W : P) + 4 * (zero >= 2 ? P / W : P) +
                           8 * (zero >= 1 ? P / W : P);
   const double bytes = per_rank * double(local_ranks);
@@ -245,9 +259,16 @@ void check_training_fits(const Config& cfg, int64_t ranks, int64_t local_ranks) 
 
 // What every rank trains from: the model and its optimizer, fresh or from the checkpoint.
 struct StartState {
+  // Pipeline stages: this rank's stage's ranks and its pipe (the ranks at its place in every stage).
+  PipelineLayout layout;
+  std::unique_ptr<Group> stage_group, pipe_group;
+  Group* data = nullptr;  // the ranks that hold the same parameters: world.all(), or the stage's
+  int64_t stage = 0;
+  std::optional<StageParameters> stage_parameters;
   ExpertGroups experts;  // before the model: it holds this rank's experts only
   std::optional<Transformer> model;
   std::unique_ptr<ParameterSets> sets;  // the parameters' groups, optimizers, gradient reduction
+  std::unique_ptr<Pipeline> pipeline;   // pipeline stages: this rank's part
   TrainerState st;
   int64_t memory_base = 0;  // tensor bytes before the model: the summary's peak counts from here
 };
@@ -257,7 +278,20 @@ struct StartState {
 void start_from(const TrainOptions& opt, World& world, at::Device device, int64_t resume_step,
                 std::optional<Checkpoint>& ckpt, StartState& start) {
   const Config& cfg = opt.config;
-  start.experts = ExpertGroups::of(world, cfg);  // every rank forms its groups, whatever comes next
+  // Every rank forms its groups, whatever comes next: stage s is ranks s·D … s·D + D − 1.
+  start.layout = PipelineLayout::of(cfg);
+  start.data = &world.all();
+  if (const int64_t K = start.layout.stages; K > 1) {
+    const int64_t D = world.size() / K;
+    start.stage = world.rank() / D;
+    std::vector<int64_t> stage_ranks, pipe_ranks;
+    for (int64_t j = 0; j < D; ++j) stage_ranks.push_back(start.stage * D + j);
+    for (int64_t s = 0; s < K; ++s) pipe_ranks.push_back(s * D + world.rank() % D);
+    start.stage_group = world.group("stage", stage_ranks);
+    start.pipe_group = world.group("pipe", pipe_ranks);
+    start.data = start.stage_group.get();
+  }
+  start.experts = ExpertGroups::of(world, *start.data, cfg);
   std::exception_ptr error;
   try {
     if (!world.root() && resume_step >= 0)
@@ -267,17 +301,35 @@ void start_from(const TrainOptions& opt, World& world, at::Device device, int64_
     start.memory_base = TensorMemory::current_bytes();
     TensorMemory::reset_peak();
     reset_device_peak(device);
-    // ZeRO-3: each branch's parameters sharded as soon as they are drawn.
-    BranchShards shards(world, start.experts);
+    // ZeRO-3: each branch's parameters sharded as soon as they are drawn. Pipeline stages: the
+    // branches of other stages' layers freed as soon as they are drawn (every rank draws every
+    // parameter, so that each holds what one rank's model holds).
+    const bool staged = start.layout.stages > 1;
+    BranchShards shards(*start.data, start.experts);
     Transformer::BranchBuilt built;
-    if (cfg.train.zero >= 3)
-      built = [&shards](ParameterStore& store, int64_t l, const std::vector<size_t>& members) {
-        shards.take(store, l, members);
+    if (cfg.train.zero >= 3 || staged)
+      built = [&shards, &start, &cfg, staged](ParameterStore& store, int64_t l, const std::vector<size_t>& members) {
+        if (staged && start.layout.stage_of(start.layout.chunk_of_layer((l - 1) / 2)) != start.stage) {
+          for (size_t i : members) release_storage(store.all()[i].tensor);
+        } else if (cfg.train.zero >= 3) {
+          shards.take(store, l, members);
+        }
       };
     start.model.emplace(cfg.model, cfg.residual, device, uint64_t(cfg.train.seed), at::kFloat,
                         compute_dtype_of(cfg.train), start.experts.placement, built);
     start.model->set_recompute(cfg.train.recompute);
-    start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, start.experts, &shards);
+    if (staged) {
+      start.stage_parameters = stage_parameters(start.model->parameters(), start.layout, start.stage);
+      start.stage_parameters->pipe = start.pipe_group.get();
+      for (size_t i = 0; i < start.stage_parameters->chunk.size(); ++i)  // the embedding or the head of another stage
+        if (start.stage_parameters->chunk[i] == StageParameters::kNotHeld)
+          release_storage(start.model->parameters().all()[i].tensor);
+    }
+    start.sets = std::make_unique<ParameterSets>(*start.model, cfg, world, *start.data, start.experts, &shards,
+                                                 staged ? &*start.stage_parameters : nullptr);
+    if (staged)
+      start.pipeline = std::make_unique<Pipeline>(*start.model, *start.sets, start.layout, world, *start.pipe_group,
+                                                  cfg.train.grad_accum);
     start.st.seed = cfg.train.seed;
     if (ckpt) {
       start.sets->load_parameters(*ckpt->weights);
@@ -338,10 +390,16 @@ class StepLoop {
   TrainerState& st_;
   const int64_t memory_base_;
   const bool root_;
-  const int64_t ranks_, total_, global_batch_;
+  // ranks_: the data-parallel ranks (the job's, over pipeline stages' K), data_rank_ this rank's
+  // place among them.
+  const int64_t ranks_, data_rank_, total_, global_batch_;
+  Pipeline* pipeline_;  // pipeline stages: this rank's part (null: none)
+  Group& data_;
+  const int64_t stage_;
   BatchLoader loader_;
   LoggedStep logged_;  // what metrics.jsonl held for the starting step (rank 0)
   std::map<std::string, int64_t> step_traffic_;  // bytes rank 0 handed to each collective in the steps
+  std::vector<int64_t> pipeline_sent_;           // per boundary, payload bytes per micro-batch (every pipe's mean)
   ParameterSets::Gathers step_gathers_;           // ZeRO-3's branch gathers in the steps
   std::optional<MetricsLog> metrics_;  // rank 0's
 };
@@ -358,9 +416,13 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
       st_(start.st),
       memory_base_(start.memory_base),
       root_(world.root()),
-      ranks_(world.size()),
+      ranks_(start.data->size()),
+      data_rank_(start.data->rank()),
       total_(total),
       global_batch_(ranks_ * cfg_.train.grad_accum * cfg_.train.micro_batch),
+      pipeline_(start.pipeline.get()),
+      data_(*start.data),
+      stage_(start.stage),
       loader_(inputs.train_data, cfg_.train.micro_batch, cfg_.model.seq_len,
               uint64_t(cfg_.train.data_seed >= 0 ? cfg_.train.data_seed : cfg_.train.seed), st_.data) {
   if (root_) {
@@ -372,7 +434,7 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
   if (Progress::enabled()) {
     std::fprintf(stderr, "run directory %s: %s, %lld steps of %lld tokens%s%s\n", run_.dir.c_str(),
                  cfg_.residual.kind.c_str(), (long long)total_, (long long)cfg_.tokens_per_step(ranks_),
-                 ranks_ > 1 ? cat(" on ", ranks_, " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
+                 world_.size() > 1 ? cat(" on ", world_.size(), " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
                  run_.checkpoint ? cat(", resuming at step ", st_.step).c_str() : "");
     if (cfg_.train.zero || cfg_.model.moe.expert_parallel > 1)
       std::fprintf(stderr, "ZeRO-%lld%s: %s\n", (long long)cfg_.train.zero,
@@ -444,9 +506,21 @@ StepLoop::Step StepLoop::step() {
   s.moe = cfg_.model.moe.enabled() && s.logged;
   std::vector<double>& moe_sum = s.moe_terms;
   const int64_t accum = cfg_.train.grad_accum;
-  for (int64_t m = 0; m < accum; ++m) {
+  if (pipeline_) {
+    // Every stage of a pipe loads its micro-batches (the first takes their inputs, the last their
+    // targets); the schedule runs them through its chunks.
+    std::vector<at::Tensor> batches;
+    for (int64_t m = 0; m < accum; ++m) batches.push_back(loader_.next(data_rank_, ranks_).to(inputs_.device));
+    try {
+      loss_sum = pipeline_->train_step(batches, s.moe ? &moe_sum : nullptr);
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e) && !dynamic_cast<const Error*>(&e)) throw CollectiveError(one_line(e));
+      throw;
+    }
+  }
+  for (int64_t m = 0; m < (pipeline_ ? 0 : accum); ++m) {
     // Micro-step m of rank r is micro-batch m·ranks + r of the step's global order.
-    const at::Tensor batch = loader_.next(world_.rank(), ranks_).to(inputs_.device);
+    const at::Tensor batch = loader_.next(data_rank_, ranks_).to(inputs_.device);
     sets_.begin_micro_step(m == accum - 1);
     at::Tensor loss = model_.loss(batch) / double(accum);
     sets_.before_backward();
@@ -472,7 +546,8 @@ StepLoop::Step StepLoop::step() {
     }
   }
   // The step's loss over all ranks, and whether any rank was asked to stop (a signal reaches
-  // the ranks at different steps; they stop together).
+  // the ranks at different steps; they stop together). Under pipeline stages each rank holds its
+  // stage's part of its pipe's loss: the sum over every rank is the sum over the pipes.
   at::Tensor shared = at::empty({2 + int64_t(moe_sum.size())}, at::kDouble);
   shared.data_ptr<double>()[0] = loss_sum;
   shared.data_ptr<double>()[1] = g_stop_signal.load() != 0 ? 1.0 : 0.0;
@@ -510,7 +585,16 @@ void StepLoop::log_step(const Step& s, double elapsed) {
 
 // The validation loss over all ranks' shares of the windows, logged (rank 0) at `step`.
 double StepLoop::evaluate_and_log(int64_t step) {
-  const LossSum share = evaluate_share(model_, inputs_.val_batches, world_.rank(), ranks_);
+  LossSum share;
+  if (pipeline_) {  // the last stage counts the pipe's windows
+    for (size_t i = size_t(data_rank_); i < inputs_.val_batches.size(); i += size_t(ranks_)) {
+      const at::Tensor& b = inputs_.val_batches[i];
+      share.loss += pipeline_->loss_sum(b.to(inputs_.device));
+      if (stage_ == cfg_.train.pipeline_stages - 1) share.tokens += b.size(0) * (b.size(1) - 1);
+    }
+  } else {
+    share = evaluate_share(model_, inputs_.val_batches, world_.rank(), ranks_);
+  }
   at::Tensor sum = at::empty({2}, at::kDouble);
   sum.data_ptr<double>()[0] = share.loss;
   sum.data_ptr<double>()[1] = double(share.tokens);
@@ -526,7 +610,15 @@ void StepLoop::checkpoint() {
   st_.config_toml = cfg_.to_toml();
   st_.global_batch = global_batch_;
   // Every rank takes part (the optimizer's shards travel to rank 0); rank 0 writes.
-  save_checkpoint(run_.dir, sets_.model_stream(), sets_.optimizer_stream(), st_, cfg_.train.keep_checkpoints, root_);
+  if (pipeline_) {
+    const int64_t K = cfg_.train.pipeline_stages;
+    const TensorStream model = joined_stream(world_, data_, stage_, K, sets_.model_stream(true), sets_.model_stream(false));
+    const TensorStream optimizer = joined_stream(world_, data_, stage_, K, sets_.optimizer_stream(true, true),
+                                                 sets_.optimizer_stream(false, false));
+    save_checkpoint(run_.dir, model, optimizer, st_, cfg_.train.keep_checkpoints, root_);
+  } else {
+    save_checkpoint(run_.dir, sets_.model_stream(), sets_.optimizer_stream(), st_, cfg_.train.keep_checkpoints, root_);
+  }
   run_.saved = true;
 }
 
@@ -541,6 +633,14 @@ TrainResult StepLoop::finish(TrainResult result, Progress& bar, std::chrono::ste
   if (result.losses.empty() && logged_.loss) result.last_loss = *logged_.loss;
   result.val_loss = reuse.data_ptr<int64_t>()[0] ? logged_.val_loss.value_or(-1) : evaluate_and_log(st_.step);
   bar.finish(cat("loss ", result.last_loss, " val ", result.val_loss));
+  if (pipeline_) {  // each boundary's sender, from every pipe
+    const std::vector<int64_t> mine = pipeline_->sent_bytes();
+    at::Tensor sent = at::empty({int64_t(mine.size())}, at::kLong);
+    std::copy(mine.begin(), mine.end(), sent.data_ptr<int64_t>());
+    world_.all_reduce_sum(sent);
+    pipeline_sent_.clear();
+    for (int64_t i = 0; i < sent.numel(); ++i) pipeline_sent_.push_back(sent.data_ptr<int64_t>()[i] / ranks_);
+  }
   result.step = st_.step;
   if (root_) write_summary(result, t0, step_seconds);
   return result;
@@ -562,7 +662,9 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
                             {"val_ppl", std::exp(result.val_loss)},
                             {"device", cfg_.train.device},
                             {"dtype", cfg_.train.dtype},
-                            {"world_size", ranks_},
+                            {"world_size", world_.size()},
+                            {"pipeline_stages", cfg_.train.pipeline_stages},
+                            {"virtual_stages", cfg_.train.virtual_stages},
                             {"global_batch", global_batch_},
                             {"zero", cfg_.train.zero},
                             {"optimizer_state_bytes_per_rank", sets_.optimizer_state_bytes()},
@@ -580,6 +682,10 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
     for (const auto& [collective, bytes] : step_traffic_)
       traffic[collective] = bytes / std::max<int64_t>(1, int64_t(result.losses.size()));
     summary["communication_bytes_per_step"] = traffic;
+    if (pipeline_) {  // the schedule's bubble, and the bytes sent forward over each boundary per micro-batch
+      summary["pipeline_bubble"] = pipeline_->schedule().bubble;
+      summary["pipeline_sent_bytes_per_micro_batch"] = pipeline_sent_;
+    }
     if (cfg_.train.zero >= 3) {  // per step: the branches gathered, and those whose gather was started ahead
       const double steps = double(std::max<size_t>(1, result.losses.size()));
       summary["parameter_gathers_per_step"] = {{"all", double(step_gathers_.all) / steps},
@@ -594,7 +700,7 @@ void StepLoop::write_summary(const TrainResult& result, std::chrono::steady_cloc
 TrainResult train_rank(const TrainOptions& opt, World& world) {
   const Config& cfg = opt.config;
   const bool root = world.root();
-  const int64_t ranks = world.size();
+  const int64_t ranks = world.size() / cfg.train.pipeline_stages;  // data-parallel
   if (!root) Progress::set_enabled(false);  // rank 0 speaks for the job
   if (cfg.train.threads > 0) at::set_num_threads(int(cfg.train.threads));
   // Open and check everything that can fail on bad input before anything is written. Every rank
@@ -639,12 +745,13 @@ TrainResult train_rank(const TrainOptions& opt, World& world) {
 
 }  // namespace
 
-void check_job_start(const TrainOptions& opt, int64_t ranks) {
+void check_job_start(const TrainOptions& opt, int64_t world_size) {
   process_group_backend(opt.config.train);
-  check_layout(opt.config, ranks);
+  check_layout(opt.config, world_size);
+  const int64_t ranks = world_size / opt.config.train.pipeline_stages;  // data-parallel
   // Every rank is local: the last one needs the most GPUs.
-  const StartInputs inputs = open_start_inputs(opt, ranks - 1);
-  check_training_fits(opt.config, ranks, ranks);
+  const StartInputs inputs = open_start_inputs(opt, world_size - 1);
+  check_training_fits(opt.config, world_size, world_size);
   if (fs::is_directory(opt.run_dir)) DirectoryLock probe(opt.run_dir);  // taken and let go: is it free?
   if (opt.resume) {
     const fs::path dir = *find_checkpoint(opt.run_dir);
@@ -654,6 +761,7 @@ void check_job_start(const TrainOptions& opt, int64_t ranks) {
 
 void check_layout(const Config& cfg, int64_t ranks) {
   const int64_t P = cfg.model.moe.expert_parallel;
+  if (cfg.train.pipeline_stages > 1) return check_pipeline_layout(cfg, ranks);
   if (ranks % P != 0)
     fail("key 'moe.expert_parallel' (", P, ") must divide the number of ranks (", ranks, "): the experts are split over ",
          P, " ranks at a time");
