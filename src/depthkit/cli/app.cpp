@@ -44,6 +44,7 @@ void add_commands(CLI::App& app, Action& action) {
   add_analyze(app, action);
   add_cost(app, action);
   add_scaling(app, action);
+  add_plan(app, action);
 }
 
 int run(int argc, char** argv) {

@@ -24,6 +24,7 @@ void add_compare(CLI::App& app, Action& action);
 void add_analyze(CLI::App& app, Action& action);
 void add_cost(CLI::App& app, Action& action);
 void add_scaling(CLI::App& app, Action& action);
+void add_plan(CLI::App& app, Action& action);
 
 // Every subcommand above, on `app`: the program's option table (the fuzz tests walk it).
 void add_commands(CLI::App& app, Action& action);

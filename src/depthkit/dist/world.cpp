@@ -506,6 +506,7 @@ class PendingWork final : public PendingCollective {
   void wait() override {
     if (work_) wait_(std::exchange(work_, {}));
   }
+  bool done() const override { return !work_ || work_->isCompleted(); }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
@@ -515,6 +516,7 @@ class PendingWork final : public PendingCollective {
 class Done final : public PendingCollective {
  public:
   void wait() override {}
+  bool done() const override { return true; }
 };
 
 }  // namespace

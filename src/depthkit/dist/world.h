@@ -67,6 +67,8 @@ class PendingCollective {
   virtual ~PendingCollective() = default;
   // Returns once the result is in place; a failed collective is a CollectiveError.
   virtual void wait() = 0;
+  // Whether it has completed (wait() would return at once).
+  virtual bool done() const { return false; }
 };
 
 // Some ranks of a job with a c10d process group of their own (docs/design.md, "Expert

@@ -357,6 +357,16 @@ double Pipeline::train_step(const std::vector<at::Tensor>& batches, std::vector<
       forward(op.micro, op.chunk, batches[size_t(op.micro)], true);
     else
       backward(op.micro, op.chunk, op.micro == micro_batches_ - 1);
+    // The sends received by now free their buffers (the rest are waited for at the step's end).
+    for (auto it = sends_.begin(); it != sends_.end();) {
+      const bool done = std::all_of(it->second.begin(), it->second.end(), [](const auto& s) { return s->done(); });
+      if (done) {
+        for (auto& send : it->second) send->wait();  // reports a failed one
+        it = sends_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   wait_sends();
   runs_.clear();

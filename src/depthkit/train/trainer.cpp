@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 
 #include <atomic>
@@ -585,15 +586,22 @@ void StepLoop::log_step(const Step& s, double elapsed) {
 
 // The validation loss over all ranks' shares of the windows, logged (rank 0) at `step`.
 double StepLoop::evaluate_and_log(int64_t step) {
+  // Window i is data rank i mod D's (its pipe's, under pipeline stages: the last stage counts it).
+  // Every rank runs as many forwards, a rank short of windows running window 0 again uncounted:
+  // with the parameters gathered (ZeRO-3) or the experts split, a forward is a collective.
+  at::NoGradGuard no_grad;
   LossSum share;
-  if (pipeline_) {  // the last stage counts the pipe's windows
-    for (size_t i = size_t(data_rank_); i < inputs_.val_batches.size(); i += size_t(ranks_)) {
-      const at::Tensor& b = inputs_.val_batches[i];
-      share.loss += pipeline_->loss_sum(b.to(inputs_.device));
-      if (stage_ == cfg_.train.pipeline_stages - 1) share.tokens += b.size(0) * (b.size(1) - 1);
-    }
-  } else {
-    share = evaluate_share(model_, inputs_.val_batches, world_.rank(), ranks_);
+  const std::vector<at::Tensor>& windows = inputs_.val_batches;
+  const size_t rounds = (windows.size() + size_t(ranks_) - 1) / size_t(ranks_);
+  const bool counts = !pipeline_ || stage_ == cfg_.train.pipeline_stages - 1;
+  for (size_t k = 0; k < rounds; ++k) {
+    const size_t i = k * size_t(ranks_) + size_t(data_rank_);
+    const at::Tensor b = windows[i < windows.size() ? i : 0].to(inputs_.device);
+    const int64_t tokens = b.size(0) * (b.size(1) - 1);
+    const double loss = pipeline_ ? pipeline_->loss_sum(b) : model_.lm_loss(b).item<double>() * double(tokens);
+    if (i >= windows.size() || !counts) continue;
+    share.loss += loss;
+    share.tokens += tokens;
   }
   at::Tensor sum = at::empty({2}, at::kDouble);
   sum.data_ptr<double>()[0] = share.loss;
