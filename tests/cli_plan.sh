@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The layout planner (docs/training.md, "Planning a layout"): its memory prediction per rank
 # against the peak each layout measures (summary.json's peak_tensor_bytes, the rank 0 of the
-# job) on CPU ranks, within 10 %, for every kind on 1, 2 and 4 ranks: data parallel with each
-# recomputation mode and ZeRO stage, pipeline stages (also virtual), and the MoE backbone with
-# its experts split; its JSON and table, the recommendation and the torchrun command; bad
+# job) on CPU ranks, within 10 %, for every kind on 1, 2 and 4 ranks (one rank, 2 and 4 pipeline
+# stages, ZeRO-3 with branch recomputation), for four kinds each recomputation mode and ZeRO-2,
+# for two the rest (ZeRO-1, virtual stages, stages × data parallel), and the MoE backbone with its
+# experts split; its JSON and table, the recommendation and the torchrun command; bad
 # arguments refused in one line.
 set -euo pipefail
 source "$(dirname "$0")/lib.sh" "$@"
@@ -54,8 +55,9 @@ kinds = ["residual", "attnres", "attnres_sepv", "dar", "msar", "mhc", "attnres_m
 for kind in kinds:
     base = DENSE + ["--set", f"residual.kind={kind}"]
     check(f"{kind}_none", base, 1, zero=0, recompute="none", pipeline_stages=1)
-    check(f"{kind}_layer", base, 1, zero=0, recompute="layer", pipeline_stages=1)
-    check(f"{kind}_zero2", base, 2, zero=2, recompute="none", pipeline_stages=1)
+    if kind in ("residual", "dar", "msar", "mhc"):
+        check(f"{kind}_layer", base, 1, zero=0, recompute="layer", pipeline_stages=1)
+        check(f"{kind}_zero2", base, 2, zero=2, recompute="none", pipeline_stages=1)
     check(f"{kind}_pp2", base, 2, zero=0, recompute="none", pipeline_stages=2)
     check(f"{kind}_zero3", base, 4, zero=3, recompute="branch", pipeline_stages=1)
     check(f"{kind}_pp4", base, 4, zero=0, recompute="none", pipeline_stages=4)
@@ -65,11 +67,10 @@ for kind in ["residual", "dar"]:
     check(f"{kind}_zero1", base, 2, zero=1, recompute="none", pipeline_stages=1)
     check(f"{kind}_vpp", base, 2, zero=0, recompute="none", pipeline_stages=2, virtual_stages=2)
     check(f"{kind}_pp2_zero1", base, 4, zero=1, recompute="none", pipeline_stages=2)
-for kind in ["residual", "dar"]:
-    base = MOE + ["--set", f"residual.kind={kind}"]
-    check(f"moe_{kind}", base, 1, zero=0, recompute="none", pipeline_stages=1)
-    check(f"moe_{kind}_ep2", base, 2, zero=1, recompute="none", pipeline_stages=1, expert_parallel=2)
-    check(f"moe_{kind}_ep2_pp2", base, 4, zero=0, recompute="branch", pipeline_stages=2, expert_parallel=2)
+base = MOE + ["--set", "residual.kind=dar"]
+check("moe_dar", base, 1, zero=0, recompute="none", pipeline_stages=1)
+check("moe_dar_ep2", base, 2, zero=1, recompute="none", pipeline_stages=1, expert_parallel=2)
+check("moe_dar_ep2_pp2", base, 4, zero=0, recompute="branch", pipeline_stages=2, expert_parallel=2)
 print(f"largest difference {100 * worst:.1f} %")
 PY
 

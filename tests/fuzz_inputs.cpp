@@ -590,6 +590,7 @@ std::map<std::string, std::vector<std::string>> cheap_command_lines(const TextFi
       {"compare", {"--spec", f.spec.string(), "--out", out}},
       {"analyze", {"--run-dir", f.run.string(), "--what", "maps", "--sequences", "1", "--positions", "4", "--out", out}},
       {"cost", {"--config", cfg}},
+      {"plan", {"--config", cfg, "--gpus", "2", "--gpu-memory", "80GiB"}},
       {"scaling", {"--runs", f.points.string(), "--plot", (scratch / "fit.png").string()}},
   };
 }

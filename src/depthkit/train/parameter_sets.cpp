@@ -1,12 +1,16 @@
 #include "depthkit/train/parameter_sets.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <tuple>
 
 #include "depthkit/model/transformer.h"
 #include "depthkit/nn/parameters.h"
@@ -241,13 +245,15 @@ ParameterSets::ParameterSets(Transformer& model, const Config& cfg, World& world
                        set->members);
     const std::vector<at::Tensor> tensors = set->tensors(store);
     set->bucket_bytes = bucket_bytes_for(tensors, cfg.train.bucket_bytes);
-    if (set->every_stage())  // averaged by reduce_every_stage; its AdamW state sharded as ZeRO-1 shards it
-      ;
-    else if (cfg.train.zero >= 2)
-      set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g,
-                                                        set->bucket_bytes, in_flight);
-    else
-      set->reducer = g.gradient_reducer(tensors);
+    // The parameters every stage reads are averaged by reduce_every_stage (their AdamW state sharded
+    // as ZeRO-1 shards it).
+    if (!set->every_stage()) {
+      if (cfg.train.zero >= 2)
+        set->sharded = std::make_unique<ShardedGradients>(set->optim->members(), set->optim->shard(), g,
+                                                          set->bucket_bytes, in_flight);
+      else
+        set->reducer = g.gradient_reducer(tensors);
+    }
     if (set->branch > 0) {
       set->owned = shards->owned(set->slices > 1, set->branch);
       if (set->owned.numel() != set->optim->shard().chunk)

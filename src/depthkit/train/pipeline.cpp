@@ -34,6 +34,12 @@ void check_pipeline_layout(const Config& cfg, int64_t ranks) {
   if (ranks % K != 0)
     fail("key 'train.pipeline_stages' (", K, ") must divide the number of ranks (", ranks, "): each stage is ",
          "an equal block of ranks");
+  // Two stages with virtual stages send activations and gradients both ways between the same two
+  // ranks, in orders each rank's schedule sets: Gloo pairs them by tag, NCCL only in issue order.
+  if (K == 2 && cfg.train.virtual_stages > 1 && cfg.train.device == "cuda" && cfg.train.backend != "gloo")
+    fail("key 'train.virtual_stages' (", cfg.train.virtual_stages, ") with key 'train.pipeline_stages' = 2 needs ",
+         "train.backend = \"gloo\": NCCL would pair the messages the two stages exchange both ways out of order; ",
+         "use 4 or more stages, or no virtual stages");
   if ((ranks / K) % P != 0)
     fail("key 'moe.expert_parallel' (", P, ") must divide the ranks of each pipeline stage (", ranks, " ranks / ", K,
          " stages = ", ranks / K, "): the experts are split among the ranks that hold the same layers");

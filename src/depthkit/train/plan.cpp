@@ -64,7 +64,7 @@ PathwayFootprint footprint(const ResidualConfig& r) {
   if (r.kind == "mhc") return {0, m + 2, m, false};      // the m streams merged, the pre-mix's input
   if (r.kind == "attnres") return {1, 1, 1, true};       // the partial
   if (r.kind == "attnres_sepv") return {2, 3, 1, true};  // and the values
-  if (r.kind == "attnres_mhc") return {1, m + 3, 1 + m, true};
+  if (r.kind == "attnres_mhc") return {1, m + 2, 1 + m, true};
   if (r.kind == "dar") return {2, 3, 2, true};           // two streams: partials, transported
   if (r.kind == "msar") return {1, m, 1, true};          // the m retrieved streams
   return {1, 2, 1, true};

@@ -221,9 +221,10 @@ void undo_start(RunDirectory& run) {
   }
 }
 
-// Weights, gradients and AdamW's two moments, float32, of the `local_ranks` ranks (of `ranks`) that
-// share this machine's memory, counted before a byte of them is allocated (on the meta device),
-// each sharded as train.zero says (ZeRO-3 keeps the embedding, head and pathway whole). Refused in
+// Weights, gradients and AdamW's two moments, float32, of the `local_ranks` ranks (of the job's
+// `ranks`) that share this machine's memory, counted before a byte of them is allocated (on the
+// meta device), each sharded as train.zero says over its stage's ranks (ZeRO-3 keeps the
+// embedding, head and pathway whole); under pipeline stages, the stage that holds the most. Refused in
 // one line when they exceed the machine's memory. On GPUs the state is the device's: the machine
 // holds one parameter at a time while the model is built, and is not checked.
 void check_training_fits(const Config& cfg, int64_t ranks, int64_t local_ranks) {
@@ -437,6 +438,12 @@ StepLoop::StepLoop(const TrainOptions& opt, World& world, const StartInputs& inp
                  cfg_.residual.kind.c_str(), (long long)total_, (long long)cfg_.tokens_per_step(ranks_),
                  world_.size() > 1 ? cat(" on ", world_.size(), " ranks (", process_group_backend(cfg_.train), ")").c_str() : "",
                  run_.checkpoint ? cat(", resuming at step ", st_.step).c_str() : "");
+    if (pipeline_)
+      std::fprintf(stderr, "pipeline: %lld stages%s of %lld rank%s, 1F1B over %lld micro-batches (bubble %.1f%%)\n",
+                   (long long)cfg_.train.pipeline_stages,
+                   cfg_.train.virtual_stages > 1 ? cat(" x ", cfg_.train.virtual_stages, " virtual").c_str() : "",
+                   (long long)ranks_, ranks_ > 1 ? "s" : "", (long long)cfg_.train.grad_accum,
+                   100 * pipeline_->schedule().bubble);
     if (cfg_.train.zero || cfg_.model.moe.expert_parallel > 1)
       std::fprintf(stderr, "ZeRO-%lld%s: %s\n", (long long)cfg_.train.zero,
                    cfg_.model.moe.expert_parallel > 1 ? cat(", experts over ", cfg_.model.moe.expert_parallel, " ranks").c_str() : "",
