@@ -17,7 +17,7 @@ namespace {
 // the final norm, the pathway's own).
 struct StageCounts {
   double branches = 0, experts = 0, kept = 0;
-  int64_t first_layer = 0, last_layer = 0;  // the stage's layers [first, last) when V = 1; else its share
+  int64_t last_layer = 0;  // one past the stage's last layer
   int64_t layers = 0, moe_layers = 0;
   double largest_branch = 0;  // the parameters of its largest branch (ZeRO-3's gathered unit)
 };
@@ -46,7 +46,6 @@ StageCounts stage_counts(const Transformer& meta, const PipelineLayout& layout, 
       c.moe_layers += m.moe.is_moe_layer(i) ? 1 : 0;
       c.last_layer = std::max(c.last_layer, i + 1);
     }
-  c.first_layer = layout.first_layer(stage);
   return c;
 }
 
@@ -74,13 +73,12 @@ double bytes_of(const std::string& dtype) { return dtype == "bfloat16" ? 2.0 : 4
 
 }  // namespace
 
-MemoryParts predict_memory(const Config& cfg, const Layout& L) {
+namespace {
+
+// predict_memory on a model of cfg built on the meta device (built once for every layout).
+MemoryParts predict_on(const Transformer& meta, const Config& cfg, const Layout& L) {
   const ModelConfig& m = cfg.model;
-  Config staged = cfg;
-  staged.train.pipeline_stages = L.stages;
-  staged.train.virtual_stages = L.virtual_stages;
-  const Transformer meta(m, cfg.residual, at::kMeta, 0);
-  const PipelineLayout layout = PipelineLayout::of(staged);
+  const PipelineLayout layout{L.stages, L.virtual_stages, m.n_layers};
   const double D = double(L.data), P = double(L.experts), b = bytes_of(cfg.train.dtype);
   const double d = double(m.d_model), hd = double(m.resolved_head_dim());
   const double q = double(m.n_heads) * hd, kv = double(m.n_kv_heads) * hd, f = double(m.d_ff);
@@ -166,13 +164,22 @@ MemoryParts predict_memory(const Config& cfg, const Layout& L) {
     const double accumulators = L.recompute == "none" ? 0 : in_flight * t * d * 4 * sources;
     const double evaluation = t * (attention + std::max(dense, moe_layers > 0 ? moe : 0.0) + 2 * double(m.vocab_size)) * b;
     const double gradients = p.gradients;
+    // ZeRO-3 lays a gathered branch out while the next one's gather is in flight and the one before
+    // may still be whole: one branch more than the two counted, where the gradients are held.
+    const double laid_out = L.zero >= 3 ? 4 * c.largest_branch : 0;
     const double during = std::max({kept + p.sources + p.dispatch + working + head_gradient + accumulators,
-                                    gradients + working + p.sources, gradients + evaluation});
+                                    gradients + working + p.sources + laid_out, gradients + evaluation + laid_out});
     p.activations = during - gradients - p.sources - p.dispatch;  // what is not the gradients themselves
     if (p.activations < 0) p.activations = 0;
     if (p.total() > worst.total()) worst = p;
   }
   return worst;
+}
+
+}  // namespace
+
+MemoryParts predict_memory(const Config& cfg, const Layout& layout) {
+  return predict_on(Transformer(cfg.model, cfg.residual, at::kMeta, 0), cfg, layout);
 }
 
 namespace {
@@ -212,7 +219,7 @@ std::vector<LayoutPlan> plan_layouts(const Config& cfg, const ClusterSpec& clust
               if (zero == 3 && std::string(recompute) == "none") continue;
               LayoutPlan plan;
               plan.layout = {D, P, K, V, zero, recompute, mb, accum};
-              plan.memory = predict_memory(cfg, plan.layout);
+              plan.memory = predict_on(meta, cfg, plan.layout);
               plan.fits = plan.memory.total() <= cluster.gpu_memory;
               // Bytes one rank sends per step. The gradients' all-reduce (a ring sends 2(D−1)/D of
               // them), or ZeRO's reduce-scatter and all-gather (the same), plus ZeRO-3's gathers in
@@ -233,10 +240,7 @@ std::vector<LayoutPlan> plan_layouts(const Config& cfg, const ClusterSpec& clust
                 const double n = path.sources ? 1 + double(m.n_branches()) / double(cfg.residual.block_sublayers) / 2 : 0;
                 plan.communication["send (pipeline)"] = 2.0 * double(V) * tokens * d * b * (n * path.per_source + path.carried);
               }
-              Config staged = cfg;
-              staged.train.pipeline_stages = K;
-              staged.train.virtual_stages = V;
-              plan.bubble = K > 1 ? PipelineSchedule::one_f_one_b(PipelineLayout::of(staged), accum).bubble : 0;
+              plan.bubble = K > 1 ? PipelineSchedule::one_f_one_b({K, V, m.n_layers}, accum).bubble : 0;
               // The estimate: 6 FLOPs per active parameter and token, more by the forward run again
               // under recomputation, stretched by the bubble; plus each collective at the bandwidth
               // of where its ranks sit (within a node when they fit in one).
