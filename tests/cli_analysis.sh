@@ -140,6 +140,31 @@ png_size cmp/runs/dar-full-seed1/analysis/gates.png 600 500
 grep -q "rescue gain, keep stream 1" mhc.txt || fail "analyze mhc: $(cat mhc.txt)"
 [ -f mhc-analysis/cka.png ] && [ -f mhc-analysis/rescue.png ] && [ ! -f mhc-analysis/maps.png ] || fail "analyze mhc outputs"
 
+# analyze MSAR: its maps per stream and its streams (key RMS, H_pre gates, shares), a few steps in.
+"$DK" train --config "$SRC/configs/tiny.toml" --run-dir msar --set residual.kind=msar --set residual.streams=3 \
+  --set "residual.kernels=[2, 4]" --set model.vocab_size=512 --set model.seq_len=32 --set model.d_model=32 \
+  --set model.d_ff=64 --set model.n_heads=2 --set model.n_kv_heads=1 --set model.n_layers=2 \
+  --set train.micro_batch=4 --set "data.dir='data'" --set train.steps=5 --set train.eval_every=0 \
+  --set train.eval_tokens=1024 --set optim.warmup_steps=2 >/dev/null 2>&1 || fail "train msar"
+"$DK" analyze --run-dir msar --positions 8 --json >msar.json || fail "analyze msar"
+python3 - <<'PY' || fail "analyze msar streams"
+import json
+r = json.load(open("msar.json"))
+assert len(r["maps"]["streams"]) == 3
+s = r["streams"]
+assert s["reads"] == [1, 2, 3, 4], s["reads"]
+for key in ("key_rms", "gates", "shares"):
+    assert len(s[key]) == 4 and all(len(row) == 3 for row in s[key]), key
+for row in s["shares"]:
+    assert abs(sum(row) - 1) < 1e-6 and all(0 <= v <= 1 for v in row), row
+assert all(0 < v < 1 for row in s["gates"] for v in row)
+# five steps from zero taps: the convolved streams have begun, far below stream 0
+assert all(0 < row[1] < row[0] and 0 < row[2] < row[0] for row in s["key_rms"]), s["key_rms"]
+PY
+png_size msar/analysis/streams.png 1400 400
+"$DK" analyze --run-dir msar --what streams --positions 8 >msar.txt
+grep -q "streams: shares" msar.txt || fail "analyze msar text: $(cat msar.txt)"
+
 # cost: MSAR Table 6's typical column (N = 8 blocks, S = 16, m = 4).
 for pair in residual:3 mhc:34 attnres:5.5 msar:21.5; do
   got=$("$DK" cost --config "$SRC/configs/tiny.toml" --set model.n_layers=64 --set residual.block_sublayers=16 \

@@ -2,6 +2,7 @@
 // scaling fits on points with known A and β, linear CKA against its Gram-matrix form, and the
 // pathway observer and interventions that `depthkit analyze` relies on.
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/linalg_qr.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/ones_like.h>
@@ -18,6 +19,8 @@
 #include "depthkit/analysis/scaling.h"
 #include "depthkit/nn/parameters.h"
 #include "depthkit/model/transformer.h"
+#include "depthkit/ops/reference/reference.h"
+#include "depthkit/pathways/msar.h"
 #include "depthkit/pathways/pathway.h"
 #include "depthkit/util/fs.h"
 #include "helpers.h"
@@ -280,11 +283,19 @@ struct Recorder final : PathwayObserver {
     partial[l] = with_partial;
   }
   void on_write_gates(int64_t l, const at::Tensor& g) override { gates[l] = g; }
+  struct Streams {
+    at::Tensor key_rms, gates, shares;
+  };
+  std::map<int64_t, Streams> streams;
+  void on_stream_fusion(int64_t l, const at::Tensor& key_rms, const at::Tensor& g, const at::Tensor& shares) override {
+    streams[l] = {key_rms, g, shares};
+  }
 };
 
 struct Driven {
   std::vector<at::Tensor> inputs, outputs;  // h_ℓ and f_ℓ(h_ℓ), index ℓ − 1
   at::Tensor embedding;
+  std::shared_ptr<ResidualPathway> path;
 };
 
 // Builds pathway r (float64, d = 6) with random parameters and drives it through n_layers layers
@@ -294,13 +305,14 @@ Driven drive(const ResidualConfig& r, int64_t n_layers, PathwayObserver* obs, ui
   m.n_layers = n_layers;
   m.d_model = 6;
   ParameterStore params(at::kCPU, 1, at::kDouble);
-  auto path = make_pathway(r, m, params);
+  std::shared_ptr<ResidualPathway> path = make_pathway(r, m, params);
   auto g = generator(seed);
   {
     at::NoGradGuard no_grad;
     for (const auto& p : params.all()) p.tensor.normal_(0.0, 0.7, g);
   }
   Driven d;
+  d.path = path;
   const int64_t B = 2, T = 5, D = m.d_model;
   d.embedding = at::randn({B, T, D}, g, at::kDouble);
   path->set_observer(obs);
@@ -389,6 +401,44 @@ TEST(Observer, MsarWeightsAreTheOnesItReadsWith) {
       for (int64_t j = 0; j < 3; ++j) h = h + weighted(rec.weights.at({l, j}), reads[l - 1].sources) / 3.0;
       EXPECT_TRUE(near(h, d.inputs[l - 1], 1e-10, cat(impl, " branch ", l)));
     }
+  }
+}
+
+// MSAR's streams (analyze --what streams): stream 0's key RMS is the mean RMS of the completed
+// sources; at the first read (the embedding alone, weight 1 in every stream) the fused input is
+// Σ_r H_pre[r] z⁽ʳ⁾ with z⁽ʳ⁾ the embedding's expansion, which fixes the gates and the shares.
+TEST(Observer, MsarReportsItsStreams) {
+  for (const char* fusion : {"hpre", "mean"}) {
+    SCOPED_TRACE(fusion);
+    ResidualConfig r;
+    r.kind = "msar";
+    r.block_sublayers = 2;
+    r.streams = 3;
+    r.kernels = {2, 4};
+    r.fusion = fusion;
+    Recorder rec;
+    Driven d = drive(r, 3, &rec, 13);
+    const auto reads = block_reads(d, 2, false, nullptr);
+    auto rms = [](const at::Tensor& x) { return x.square().mean(-1).sqrt(); };
+    for (int64_t l = 1; l <= int64_t(reads.size()); ++l) {
+      const auto& s = rec.streams.at(l);
+      const Read& read = reads[l - 1];
+      const size_t completed = read.sources.size() - (read.with_partial ? 1 : 0);
+      at::Tensor mean_rms = at::zeros_like(s.key_rms.select(-1, 0));
+      for (size_t c = 0; c < completed; ++c) mean_rms = mean_rms + rms(read.sources[c]) / double(completed);
+      EXPECT_TRUE(near(s.key_rms.select(-1, 0), mean_rms, 1e-12, cat("stream 0 key RMS, read ", l)));
+      EXPECT_TRUE(near(s.shares.sum(-1), at::ones_like(mean_rms), 1e-12, cat("shares, read ", l)));
+      if (std::string(fusion) == "mean") {
+        EXPECT_TRUE(near(s.gates, at::full_like(s.gates, 1.0 / 3), 1e-15, "1/m"));
+      }
+    }
+    const auto& first = rec.streams.at(1);
+    const at::Tensor z = reference::msar_expand(d.embedding, dynamic_cast<Msar&>(*d.path).taps(0));  // [m, B, T, d]
+    const at::Tensor parts = first.gates.permute({2, 0, 1}).unsqueeze(-1) * z;
+    EXPECT_TRUE(near(parts.sum(0), d.inputs[0], 1e-12, "h_1 = Σ_r H_pre[r] z_r"));
+    const at::Tensor norms = parts.square().sum(-1).sqrt().permute({1, 2, 0});
+    EXPECT_TRUE(near(first.shares, norms / norms.sum(-1, true), 1e-12, "shares of h_1"));
+    EXPECT_TRUE(near(first.key_rms, rms(z).permute({1, 2, 0}), 1e-12, "key RMS of the embedding's streams"));
   }
 }
 

@@ -107,6 +107,8 @@ TEST(Config, InvalidPathwayCombinationsNameTheKey) {
                {"'residual.sinkhorn_iters'"});
   expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.fusion=\"max\""}); },
                {"'residual.fusion'", "\"hpre\", \"mean\""});
+  expect_error([&] { parse_config(base, "x.toml", {"residual.kind=msar", "residual.conv_init=\"ones\""}); },
+               {"'residual.conv_init'", "\"zeros\", \"average\", \"normal\""});
   expect_error([&] { parse_config(base, "x.toml", {"residual.impl=\"eager\""}); },
                {"'residual.impl'", "\"reference\", \"fused\""});
   Config ok = parse_config(base, "x.toml", {"residual.kind=msar", "residual.streams=3", "residual.kernels=[2, 5]"});

@@ -367,7 +367,7 @@ std::vector<OperatorCase> operator_cases() {
   {
     auto read = [](auto op) {
       return [op](const Inputs& t) {
-        auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, std::nullopt);
+        auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, std::nullopt, 0);
         return Inputs{out, lse};
       };
     };
@@ -377,7 +377,7 @@ std::vector<OperatorCase> operator_cases() {
   {
     auto fuse = [](auto op) {
       return [op](const Inputs& t) {
-        return Inputs{op(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps, std::nullopt)};
+        return Inputs{op(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], kKeyNormEps, std::nullopt, 0)};
       };
     };
     cases.push_back({"msar_fuse", fuse(fused::msar_fuse), fuse(reference::msar_fuse),

@@ -84,8 +84,9 @@ void expect_padding_without_gradient(const at::Tensor& conv_grad, const std::vec
   }
 }
 
-void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_lengths = false) {
-  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d + 11 * with_lengths;
+// context: the sources' first positions are only windows (msar_ops.h); s.T counts all of them.
+void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_lengths = false, int64_t context = 0) {
+  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d + 11 * with_lengths + 13 * context;
   auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
@@ -93,9 +94,9 @@ void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_l
   // A shorter kernel: zero-padded taps (skipped by the kernel where exact; their gradient is not zero).
   if (s.m > 1 && s.K > 2 && !with_lengths) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
   const auto lengths = lengths_of(s, with_lengths);
-  auto read = [&lengths](auto op) {
-    return [op, &lengths](const std::vector<at::Tensor>& t) {
-      auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths));
+  auto read = [&lengths, context](auto op) {
+    return [op, &lengths, context](const std::vector<at::Tensor>& t) {
+      auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths), context);
       return std::vector<at::Tensor>{out, lse};
     };
   };
@@ -104,23 +105,24 @@ void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_l
   if (lengths && s.m > 1) expect_padding_without_gradient(c.fused_inputs[2].grad(), *lengths);
 }
 
+// context: the partial's first positions are only its expansion's window; s.T counts the others.
 void compare_fuse(const Shape& s, bool with_partial, bool hpre, at::ScalarType dtype, double rtol,
-                  bool with_lengths = false) {
-  const uint64_t seed = s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre + 11 * with_lengths;
+                  bool with_lengths = false, int64_t context = 0) {
+  const uint64_t seed = s.m * 1000 + s.T * 10 + s.d + 7 * with_partial + 3 * hpre + 11 * with_lengths + 13 * context;
   auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
   std::vector<at::Tensor> in = {at::randn({s.m, s.B, s.T, s.d}, g, opt), at::randn({s.m, s.B, s.T}, g, opt),
-                                at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.B, s.T, s.d}, g, opt),
+                                at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.B, context + s.T, s.d}, g, opt),
                                 at::randn({s.m - 1, s.d, s.K}, g, opt) * 0.5, at::randn({s.m, s.m * s.d}, g, opt),
                                 at::randn({s.m}, g, opt), at::randn({1}, g, opt) + 1.0};
   if (s.m > 1 && s.K > 2 && !with_lengths) in[4][0].narrow(-1, s.K - 2, 2).zero_();  // a zero-padded shorter kernel
   const auto lengths = lengths_of(s, with_lengths);
-  auto fuse = [with_partial, hpre, &lengths](auto op) {
+  auto fuse = [with_partial, hpre, &lengths, context](auto op) {
     return [=, &lengths](const std::vector<at::Tensor>& t) {
       auto given = [](const at::Tensor& x, bool on) { return on ? x : at::Tensor(); };
       return std::vector<at::Tensor>{op(t[0], t[1], t[2], given(t[3], with_partial), given(t[4], with_partial),
                                         given(t[5], hpre), given(t[6], hpre), given(t[7], hpre), kKeyNormEps,
-                                        view(lengths))};
+                                        view(lengths), context)};
     };
   };
   // Absent inputs have no gradient; without a partial, ζ and the queries get none from this op
@@ -197,6 +199,47 @@ TEST(FusedMsarFuse, EqualsReferenceFloat64AndFloat32) {
         compare_fuse(s, with_partial, hpre, at::kDouble, 1e-10);
         compare_fuse(s, with_partial, hpre, at::kFloat, 1e-5);
       }
+}
+
+// A context (a decoding step's convolution tails, msar_ops.h): the positions after it are read
+// with their whole windows and equal the reference, gradients included (the context's positions
+// get theirs through the windows); and they equal the same positions of a read without context.
+TEST(FusedMsar, ContextReadsOnlyThePositionsAfterIt) {
+  for (const Shape& s : kShapes) {
+    if (s.T < 2) continue;
+    for (int64_t context : {int64_t(1), s.T - 1, std::min(s.K - 1, s.T - 1)}) {
+      if (context < 1) continue;
+      SCOPED_TRACE(cat(describe(s), " context ", context));
+      compare_read(s, at::kDouble, 1e-10, true, context);
+      compare_read(s, at::kFloat, 1e-5, false, context);
+      Shape later = s;  // out, ζ and h cover the positions after the context
+      later.T = s.T - context;
+      for (bool hpre : {false, true}) {
+        compare_fuse(later, true, hpre, at::kDouble, 1e-10, true, context);
+        compare_fuse(later, true, hpre, at::kFloat, 1e-5, false, context);
+      }
+    }
+  }
+  const Shape s{4, 3, 2, 40, 16, 12};  // tiles after a context: one decoding chunk of 29 positions
+  auto g = generator(5);
+  at::Tensor q = at::randn({s.m, s.d}, g), x = at::randn({s.N, s.B, s.T, s.d}, g);
+  at::Tensor conv = at::randn({s.N, s.m - 1, s.d, s.K}, g) * 0.5;
+  const std::vector<int64_t> lengths = {4, 8, 12};
+  const int64_t context = s.K - 1, later = s.T - context;
+  auto [out, lse] = fused::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps, lengths);
+  auto [c_out, c_lse] = fused::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps, lengths, context);
+  EXPECT_TRUE(near(c_out, out.narrow(2, context, later), 1e-6, "out after the context"));
+  EXPECT_TRUE(near(c_lse, lse.narrow(2, context, later), 1e-6, "ζ after the context"));
+  at::Tensor w = at::randn({s.m, s.m * s.d}, g), b = at::randn({s.m}, g), a = at::ones({1});
+  at::Tensor h = fused::msar_fuse(out, lse, q, x[0], conv[0], w, b, a, kKeyNormEps, lengths);
+  at::Tensor c_h = fused::msar_fuse(c_out, c_lse, q, x[0], conv[0], w, b, a, kKeyNormEps, lengths, context);
+  EXPECT_TRUE(near(c_h, h.narrow(1, context, later), 1e-6, "h after the context"));
+  expect_error([&] { fused::msar_read(q, x.unbind(0), conv.unbind(0), kKeyNormEps, lengths, s.T); },
+               {"msar_read", "context = 40", "T = 40"});
+  expect_error([&] { fused::msar_fuse(c_out, c_lse, q, x[0], conv[0], w, b, a, kKeyNormEps, lengths, context + 1); },
+               {"msar_fuse", "partial", "context = 12"});
+  expect_error([&] { fused::msar_fuse(c_out, c_lse, q, at::Tensor(), at::Tensor(), w, b, a, kKeyNormEps, lengths, 2); },
+               {"msar_fuse", "context = 2", "with a partial"});
 }
 
 TEST(FusedMsar, SplitAcrossThreadsEqualsReference) {

@@ -5,6 +5,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/logsumexp.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randint.h>
@@ -25,6 +26,7 @@
 #include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/ops/reference/reference.h"
 #include "depthkit/pathways/mhc.h"
+#include "depthkit/pathways/msar.h"
 #include "depthkit/train/optimizer.h"
 #include "depthkit/util/fs.h"
 #include "depthkit/train/trainer.h"
@@ -614,6 +616,45 @@ TEST(Msar, EqualsTheEquations) {
       check_against_reference(r, c.n_layers, c.T, [&](const at::Tensor& e, const Leaf& leaf) {
         return msar_ref(e, leaf, r, 2 * c.n_layers);
       });
+    }
+  }
+}
+
+// residual.conv_init: the taps at step 0. Zeros (the paper's): every stream r ≥ 1 of a source is
+// empty; average: each tap 1/κ_r, stream r the causal moving average over κ_r positions; normal:
+// N(0, init_std). (A bad value: Config.InvalidPathwayCombinationsNameTheKey.)
+TEST(Msar, ConvInitSetsTheTapsAtStepZero) {
+  ModelConfig m;
+  m.n_layers = 1;
+  m.d_model = 64;
+  m.init_std = 0.5;
+  for (const char* init : {"zeros", "average", "normal"}) {
+    SCOPED_TRACE(init);
+    ResidualConfig r = residual("msar", 2);
+    r.conv_init = init;
+    ParameterStore params(at::kCPU, 3, at::kDouble);
+    auto path = make_pathway(r, m, params);
+    for (int64_t k = 0; k < 2; ++k)
+      for (int64_t s = 1; s < r.streams; ++s) {
+        const at::Tensor taps = params.get(cat("residual.bank.", k, ".conv", s));
+        const double kappa = double(r.kernels[size_t(s - 1)]);
+        ASSERT_EQ(taps.size(1), r.kernels[size_t(s - 1)]);
+        if (std::string(init) == "zeros") {
+          EXPECT_EQ(taps.abs().max().item<double>(), 0.0);
+        } else if (std::string(init) == "average") {
+          // Drawn in float32, then cast (ParameterStore::add).
+          EXPECT_TRUE(close(taps, at::full_like(taps, 1.0 / kappa).to(at::kFloat).to(taps.scalar_type()), "1/κ"));
+        } else {
+          const double sd = taps.std().item<double>();
+          EXPECT_GT(sd, 0.3);
+          EXPECT_LT(sd, 0.7);
+        }
+      }
+    // With average taps, stream 1 of a constant source is that constant once its window is full.
+    if (std::string(init) == "average") {
+      const at::Tensor x = at::ones({1, 6, 64}, kF64);
+      const at::Tensor streams = reference::msar_expand(x, dynamic_cast<Msar&>(*path).taps(0));
+      EXPECT_TRUE(close(streams[1].narrow(1, 3, 3), x.narrow(1, 3, 3), "moving average of a constant"));
     }
   }
 }

@@ -248,12 +248,16 @@ def _check_msar_read(q, x, c, lengths):
 
 
 @_register("msar_read")
-def _msar_read(queries, sources, conv, eps, kernel_lengths=None):
+def _msar_read(queries, sources, conv, eps, kernel_lengths=None, context=0):
     _check_msar_read(queries, sources, conv, kernel_lengths)
     m = queries.shape[0]
     B, T, d = sources[0].shape
-    # The m streams' reads (eq. 11–12): out [m, B, T, d], ζ [m, B, T] in the accumulation dtype.
-    return sources[0].new_empty((m, B, T, d)), sources[0].new_empty((m, B, T), dtype=_acc(queries.dtype))
+    _require(0 <= context and context < T, "msar_read: context = ", context, " must leave a position of the sources' T = ",
+             T, " (0 <= context < T)")
+    # The m streams' reads (eq. 11–12) of the positions after the context (the windows' rows):
+    # out [m, B, T − context, d], ζ [m, B, T − context] in the accumulation dtype.
+    return (sources[0].new_empty((m, B, T - context, d)),
+            sources[0].new_empty((m, B, T - context), dtype=_acc(queries.dtype)))
 
 
 @_register("msar_read_backward")
@@ -267,7 +271,7 @@ def _msar_read_backward(grad_out, grad_log_partition, queries, sources, conv, lo
     return queries.new_empty(queries.shape), queries.new_empty((len(conv), *conv[0].shape))
 
 
-def _check_msar_fuse(out, lse, q, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths):
+def _check_msar_fuse(out, lse, q, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths, context=0):
     _require(out.dim() == 4 and lse.dim() == 3 and q.dim() == 2,
              "msar_fuse: expected out [m, B, T, d], log_partition [m, B, T], queries [m, d]")
     m, B, T, d = out.shape
@@ -275,9 +279,11 @@ def _check_msar_fuse(out, lse, q, partial, partial_conv, w_pre, b_pre, alpha_pre
              _shape(out.shape))
     _require(q.shape[0] == m and q.shape[1] == d, "msar_fuse: queries ", _shape(q.shape), " vs out ", _shape(out.shape))
     _require((partial is None) == (partial_conv is None), "msar_fuse: partial and partial_conv come together")
+    _require(context >= 0 and (context == 0 or partial is not None), "msar_fuse: context = ", context,
+             " must be 0, or positive with a partial (its window rows)")
     if partial is not None:
-        _require(_same_shape(partial, (B, T, d)), "msar_fuse: partial ", _shape(partial.shape), " vs [B, T, d] of out ",
-                 _shape(out.shape))
+        _require(_same_shape(partial, (B, context + T, d)), "msar_fuse: partial ", _shape(partial.shape),
+                 " vs [B, context + T, d] of out ", _shape(out.shape), " and context = ", context)
         _require(partial_conv.dim() == 3 and partial_conv.shape[0] == m - 1 and partial_conv.shape[1] == d
                  and partial_conv.shape[2] >= 1, "msar_fuse: partial_conv ", _shape(partial_conv.shape),
                  " does not match [m - 1, d, K] = [", m - 1, ", ", d, ", K]")
@@ -294,8 +300,9 @@ def _check_msar_fuse(out, lse, q, partial, partial_conv, w_pre, b_pre, alpha_pre
 
 @_register("msar_fuse")
 def _msar_fuse(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, eps,
-               kernel_lengths=None):
-    _check_msar_fuse(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, kernel_lengths)
+               kernel_lengths=None, context=0):
+    _check_msar_fuse(out, log_partition, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, kernel_lengths,
+                     context)
     _, B, T, d = out.shape
     return out.new_empty((B, T, d))
 

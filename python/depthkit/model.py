@@ -37,7 +37,7 @@ MOE_DEFAULTS = {"n_experts": 0, "top_k": 2, "expert_d_ff": 0, "n_shared_experts"
                 "leading_dense_layers": 0, "router": "softmax_topk", "renormalize": False, "aux_loss_coef": 0.01,
                 "z_loss_coef": 0.0, "expert_impl": "auto"}
 RESIDUAL_DEFAULTS = {"kind": "residual", "block_sublayers": 2, "share_within_block": False, "routing": "cross",
-                     "streams": 4, "kernels": [4, 8, 12], "conv": True, "fusion": "hpre", "sinkhorn_iters": 20,
+                     "streams": 4, "kernels": [4, 8, 12], "conv": True, "conv_init": "zeros", "fusion": "hpre", "sinkhorn_iters": 20,
                      "impl": "fused"}
 DATA_DEFAULTS = {"dir": "data/pydoc"}
 

@@ -174,7 +174,29 @@ def scaling(data):
     return fig
 
 
-FIGURES = {f.__name__: f for f in (curves, maps, cka, rescue, gates, scaling)}
+def streams(data):
+    """MSAR's streams at each read: key RMS before normalisation, H_pre gate, share of the fused input."""
+    panels = [("key_rms", "key RMS before normalisation", True), ("gates", "H_pre gate", False),
+              ("shares", "share of the fused input", False)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), dpi=DPI)
+    reads = data["reads"]
+    for ax, (key, label, log) in zip(axes, panels):
+        values = np.asarray(data[key], dtype=float)  # [read, stream]
+        for r in range(values.shape[1]):
+            ax.plot(reads, values[:, r], marker="o", label=f"stream {r}")
+        if log:
+            ax.set_yscale("log")
+            ax.axhline(math.sqrt(data["key_norm_eps"]), color="grey", linestyle="--", linewidth=0.8, label="√ε")
+        ax.set_xlabel("read ℓ (branch)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(data.get("title", "MSAR streams"))
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {f.__name__: f for f in (curves, maps, streams, cka, rescue, gates, scaling)}
 
 
 def render(figure, data_path, png_path):

@@ -266,7 +266,16 @@ def test_options_and_classes():
         dn.make("mhc", D, 0)
     # Defaults are depthkit's (config.h, ResidualConfig).
     assert dn.MSAR(D, 4).options == {"block_sublayers": 2, "streams": 4, "kernels": (4, 8, 12), "conv": True,
-                                     "fusion": "hpre", "impl": "fused"}
+                                     "conv_init": "zeros", "fusion": "hpre", "impl": "fused"}
+    # residual.conv_init: the taps at step 0 (zeros, the paper's; average: 1/κ_r; normal: N(0, init_std)).
+    bank = getattr(dn.MSAR(D, 4).bank, "0")
+    assert not bank.conv1.any() and not bank.conv3.any()
+    bank = getattr(dn.MSAR(D, 4, conv_init="average").bank, "1")
+    assert torch.equal(bank.conv2, torch.full((D, 8), 1 / 8)) and torch.equal(bank.conv3, torch.full((D, 12), 1 / 12))
+    taps = getattr(dn.MSAR(D, 4, conv_init="normal", init_std=0.5).bank, "0").conv3
+    assert 0.3 < taps.std().item() < 0.7
+    with pytest.raises(ValueError, match="conv_init"):
+        dn.make("msar", D, 4, conv_init="ones")
     assert dn.MHC(D, 4).options == {"streams": 4, "sinkhorn_iters": 20, "impl": "fused"}
 
 

@@ -147,6 +147,17 @@ MSAR_READ = [("longest-kappa", msar_read_case(4, 2, 1, 13, 4, 12, [4, 8, 12])),
              ("1-source-1-token", msar_read_case(2, 1, 2, 1, 4, 2, None))]
 
 
+def msar_read_context_case(m, N, B, T, d, K, lengths, context):
+    def build(dtype):
+        return (*msar_read_case(m, N, B, T, d, K, lengths)(dtype), context)
+    return build
+
+
+# A cached decoding step: the K − 1 positions of the convolution tail, then the new position(s).
+MSAR_READ_CONTEXT = [("decoding-step", msar_read_context_case(4, 2, 2, 12, 4, 12, [4, 8, 12], 11)),
+                     ("two-new-positions", msar_read_context_case(3, 1, 1, 5, 4, 3, None, 3))]
+
+
 def msar_read_backward_case(forward, grad_lse):
     def build(dtype):
         q, sources, conv, eps, lengths = detached(forward(dtype))
@@ -166,6 +177,17 @@ def msar_fuse_case(m, B, T, d, K, partial, hpre, lengths):
                 lengths)
     return build
 
+
+def msar_fuse_context_case(m, B, T, d, K, hpre, lengths, context):
+    def build(dtype):
+        args = list(msar_fuse_case(m, B, T, d, K, True, hpre, lengths)(dtype))
+        args[3] = leaf(dtype, B, context + T, d)  # the partial with its tail first
+        return (*args, context)
+    return build
+
+
+MSAR_FUSE_CONTEXT = [("decoding-step-hpre", msar_fuse_context_case(4, 2, 1, 4, 12, True, [4, 8, 12], 11)),
+                     ("two-new-positions-mean", msar_fuse_context_case(3, 1, 2, 4, 3, False, None, 2))]
 
 MSAR_FUSE = [("partial-hpre-longest-kappa", msar_fuse_case(4, 1, 13, 4, 12, True, True, [4, 8, 12])),
              ("partial-mean", msar_fuse_case(3, 2, 3, 4, 2, True, False, None)),
@@ -278,10 +300,10 @@ CASES = {
                           ("block-start-no-beta-grad", dar_read_backward_case(DAR_READ[1][1], False))],
     "dar_write": DAR_WRITE,
     "dar_write_backward": renamed(DAR_WRITE, lambda f: backward_of(f, [lambda a: a[0].shape] * 2)),
-    "msar_read": MSAR_READ,
+    "msar_read": MSAR_READ + MSAR_READ_CONTEXT,
     "msar_read_backward": [("longest-kappa", msar_read_backward_case(MSAR_READ[0][1], True)),
                            ("1-source-1-token-no-lse-grad", msar_read_backward_case(MSAR_READ[1][1], False))],
-    "msar_fuse": MSAR_FUSE,
+    "msar_fuse": MSAR_FUSE + MSAR_FUSE_CONTEXT,
     "msar_fuse_backward": renamed(MSAR_FUSE, lambda f: backward_of(f, [lambda a: a[0].shape[1:]])),
     "mhc_pre": MHC_PRE,
     "mhc_pre_backward": [("4-streams", mhc_pre_backward_case(MHC_PRE[0][1], [True, True, True])),

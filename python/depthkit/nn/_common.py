@@ -28,6 +28,7 @@ DEFAULTS = {
     "streams": 4,
     "kernels": (4, 8, 12),
     "conv": True,
+    "conv_init": "zeros",
     "fusion": "hpre",
     "sinkhorn_iters": 20,
     "impl": "fused",
@@ -36,6 +37,7 @@ DEFAULTS = {
 _CHOICES = {
     "routing": ("cross", "self", "cross_value", "fixed"),
     "fusion": ("hpre", "mean"),
+    "conv_init": ("zeros", "average", "normal"),
     "impl": ("reference", "fused"),
 }
 _RANGES = {"block_sublayers": (1, 1 << 20), "streams": (1, 64), "kernels": (1, 4096), "sinkhorn_iters": (1, 1000)}

@@ -41,18 +41,18 @@ class _Sources:
 
 
 class MSAR(Pathway):
-    """residual.kind = "msar" (options block_sublayers, streams, kernels, conv, fusion)."""
+    """residual.kind = "msar" (options block_sublayers, streams, kernels, conv, conv_init, fusion)."""
 
     kind = "msar"
-    OPTIONS = ("block_sublayers", "streams", "kernels", "conv", "fusion")
+    OPTIONS = ("block_sublayers", "streams", "kernels", "conv", "conv_init", "fusion")
     OPERATORS = ("msar_read", "msar_fuse", "shared_source")
 
     def __init__(self, d_model: int, n_branches: int, *, block_sublayers: int = 2, streams: int = 4,
-                 kernels=(4, 8, 12), conv: bool = True, fusion: str = "hpre", impl: str = "fused",
-                 init_std: float = 0.02, device=None, dtype=None):
+                 kernels=(4, 8, 12), conv: bool = True, conv_init: str = "zeros", fusion: str = "hpre",
+                 impl: str = "fused", init_std: float = 0.02, device=None, dtype=None):
         super().__init__(d_model, n_branches, {"block_sublayers": block_sublayers, "streams": streams,
-                                               "kernels": kernels, "conv": conv, "fusion": fusion, "impl": impl},
-                         init_std)
+                                               "kernels": kernels, "conv": conv, "conv_init": conv_init,
+                                               "fusion": fusion, "impl": impl}, init_std)
         o = self.options
         m, self.conv, self.mean = o["streams"], o["conv"], o["fusion"] == "mean"
         if self.conv and len(o["kernels"]) != m - 1:  # the registry's check (pathways/msar.cpp)
@@ -82,8 +82,8 @@ class MSAR(Pathway):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """depthkit's initialisation: queries and convolutions 0, W_pre normal(0, init_std), b_pre 0,
-        α_pre 0.01."""
+        """depthkit's initialisation: queries 0, W_pre normal(0, init_std), b_pre 0, α_pre 0.01; the
+        convolutions per conv_init: 0 (the paper), 1/κ_r (average) or normal(0, init_std)."""
         for l in range(1, self.n_branches + 1):
             b = getattr(self, str(l))
             constant_(b.queries, 0.0)
@@ -92,8 +92,15 @@ class MSAR(Pathway):
                 constant_(b.pre.bias, 0.0)
                 constant_(b.pre.scale, PRE_SCALE)
         if "bank" in self._modules:
-            for p in self.bank.parameters():
-                constant_(p, 0.0)
+            for k in range(self.n_branches):
+                for r in range(1, self.m):
+                    p = getattr(getattr(self.bank, str(k)), f"conv{r}")
+                    if self.options["conv_init"] == "average":
+                        constant_(p, 1.0 / self.kernels[r - 1])
+                    elif self.options["conv_init"] == "normal":
+                        normal_(p, self.init_std)
+                    else:
+                        constant_(p, 0.0)
 
     def taps(self, k: int, like: Tensor) -> Tensor:
         """Bank k as the operators take it, [m − 1, d, K]: each kernel's taps zero-padded to the

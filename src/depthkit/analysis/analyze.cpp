@@ -18,6 +18,7 @@
 #include "depthkit/data/loader.h"
 #include "depthkit/eval/run_model.h"
 #include "depthkit/model/transformer.h"
+#include "depthkit/ops/reference/depth_attention.h"
 #include "depthkit/pathways/registry.h"
 #include "depthkit/util/error.h"
 #include "depthkit/util/fs.h"
@@ -65,9 +66,16 @@ class Collector final : public PathwayObserver {
     weights[{branch, stream}].add(tail(w));
   }
   void on_write_gates(int64_t branch, const at::Tensor& g) override { gates[branch].add(tail(g)); }
+  void on_stream_fusion(int64_t branch, const at::Tensor& key_rms, const at::Tensor& fusion_gates,
+                        const at::Tensor& shares) override {
+    stream_key_rms[branch].add(tail(key_rms));
+    stream_gates[branch].add(tail(fusion_gates));
+    stream_shares[branch].add(tail(shares));
+  }
 
   std::map<std::pair<int64_t, int64_t>, Mean> weights;  // (branch, stream) → [n]
   std::map<int64_t, Mean> gates;                         // branch → [streams]
+  std::map<int64_t, Mean> stream_key_rms, stream_gates, stream_shares;  // branch → [m] (MSAR)
 
  private:
   at::Tensor tail(const at::Tensor& x) const {  // [B, T, k] → [B·P, k]
@@ -197,6 +205,20 @@ nlohmann::json retrieval_maps(const CleanPass& pass) {
   return maps;
 }
 
+// MSAR's streams at each read: key RMS before normalisation, H_pre gate, share of the fused input.
+nlohmann::json stream_fusion(const CleanPass& pass) {
+  auto rows = [](const std::map<int64_t, Mean>& by_branch) {
+    std::vector<std::vector<double>> m;
+    for (const auto& [branch, mean] : by_branch) m.push_back(mean.values());
+    return matrix_json(m);
+  };
+  nlohmann::json reads = nlohmann::json::array();
+  for (const auto& [branch, mean] : pass.collect.stream_shares) reads.push_back(branch);
+  return {{"title", "MSAR streams at each read: " + pass.title}, {"reads", reads},
+          {"key_rms", rows(pass.collect.stream_key_rms)}, {"gates", rows(pass.collect.stream_gates)},
+          {"shares", rows(pass.collect.stream_shares)}, {"key_norm_eps", kKeyNormEps}};
+}
+
 // Linear CKA between the post-MLP states of every pair of streams, layer against layer.
 nlohmann::json cross_stream_cka(const CleanPass& pass) {
   const int64_t L = pass.L;
@@ -285,8 +307,8 @@ nlohmann::json run_analyze(const AnalyzeOptions& opt) {
   std::vector<std::string> what = opt.what.empty() ? supported : opt.what;
   if (what.empty()) fail("analyze: residual.kind \"", kind, "\" has no depth attention or streams to analyse");
   for (const auto& w : what) {
-    if (w != "maps" && w != "cka" && w != "rescue" && w != "gates")
-      fail("analyze: --what '", w, "' is not one of maps, cka, rescue, gates");
+    if (w != "maps" && w != "streams" && w != "cka" && w != "rescue" && w != "gates")
+      fail("analyze: --what '", w, "' is not one of maps, streams, cka, rescue, gates");
     if (std::find(supported.begin(), supported.end(), w) == supported.end())
       fail("analyze: --what ", w, " does not apply to residual.kind \"", kind, "\" (it supports: ", join(supported), ")");
   }
@@ -311,6 +333,7 @@ nlohmann::json run_analyze(const AnalyzeOptions& opt) {
     result[name] = std::move(data);
   };
   if (wants("maps")) figure("maps", retrieval_maps(pass));
+  if (wants("streams")) figure("streams", stream_fusion(pass));
   if (wants("cka")) figure("cka", cross_stream_cka(pass));
   std::vector<std::vector<double>> gain;  // [stream][layer − 1]
   if (wants("rescue") || wants("gates")) {

@@ -7,6 +7,10 @@
 //           pre-attention and pre-MLP reads; columns are the embedding and blocks 1 … N, the
 //           partial of the target's own block sits in its block's column; unavailable cells are
 //           blank (DAR Fig. 3 and A.3, MSAR Fig. 4). AttnRes, DAR, MSAR, AttnRes + mHC.
+//   streams MSAR's m streams at each read ℓ, token-averaged: the RMS of each stream's keys before
+//           their normalisation (mean over the sources; against √ε of the key norm), its H_pre
+//           fusion gate, and its share ‖H_pre[r] z⁽ʳ⁾‖ / Σ_r′ ‖H_pre[r′] z⁽ʳ′⁾‖ of the fused
+//           input (eq. 10, 13–14; docs/design.md, "MSAR's first hundred steps"). MSAR.
 //   cka     linear CKA (Kornblith et al. 2019) between the post-MLP states of every pair of
 //           streams at every pair of layers (DAR Fig. 5). DAR, mHC, AttnRes + mHC.
 //   rescue  R_ℓ,j = 1 − KL(p_clean ‖ p_keep-j) / max(KL(p_clean ‖ p_zero-all), 1e−12), where after

@@ -193,7 +193,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
     t.insert(t.end(), banks.begin(), banks.end());
     auto read = [=](auto op) {
       return [=] {
-        auto [o, lse] = op(t[0], sources, banks, kKeyNormEps, lengths);
+        auto [o, lse] = op(t[0], sources, banks, kKeyNormEps, lengths, 0);
         return Outputs{o, lse};
       };
     };
@@ -205,7 +205,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                                  bank(1).squeeze(0).detach().requires_grad_(), leaf({m, m * d}, 0.02), leaf({m}),
                                  leaf({1}, 0.5)};
     auto fuse = [=](auto op) {
-      return [=] { return Outputs{op(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], kKeyNormEps, lengths)}; };
+      return [=] { return Outputs{op(u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], kKeyNormEps, lengths, 0)}; };
     };
     out.push_back({"msar_fuse", u, fuse(fused::msar_fuse), fuse(reference::msar_fuse), {cotangent({B, T, d})},
                    // forward: out (m streams), partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial

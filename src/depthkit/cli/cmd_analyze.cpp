@@ -19,7 +19,7 @@ void add_analyze(CLI::App& app, Action& action) {
   cmd->add_option("--run-dir", a->opt.run_dir, "run directory")->required();
   cmd->add_option("--checkpoint", a->opt.checkpoint, "checkpoint name (default: latest)");
   cmd->add_option("--data", a->opt.data, "data directory (default: the run's data.dir)");
-  cmd->add_option("--what", a->what, "comma-separated: maps,cka,rescue,gates (default: all the pathway supports)");
+  cmd->add_option("--what", a->what, "comma-separated: maps,streams,cka,rescue,gates (default: all the pathway supports)");
   add_number(cmd, "--sequences", a->opt.sequences, 1, int64_t(1) << 20, "held-out sequences (default 4)");
   add_number(cmd, "--positions", a->opt.positions, 1, int64_t(1) << 24, "last positions of each sequence used (default 128)");
   cmd->add_option("--out", a->out, "output directory (default RUN_DIR/analysis)");
@@ -39,8 +39,21 @@ void add_analyze(CLI::App& app, Action& action) {
       const std::string out = opt.out.empty() ? (opt.run_dir / "analysis").string() : opt.out.string();
       std::printf("%s, step %lld, %lld sequences x last %lld positions\n", r["kind"].get<std::string>().c_str(),
                   (long long)r["step"].get<int64_t>(), (long long)opt.sequences, (long long)opt.positions);
-      for (const char* w : {"maps", "cka", "rescue", "gates"})
+      for (const char* w : {"maps", "streams", "cka", "rescue", "gates"})
         if (r.contains(w)) std::printf("  %-7s %s/%s.png, %s.json\n", w, out.c_str(), w, w);
+      if (r.contains("streams")) {  // per stream, the mean over the reads
+        const auto& s = r["streams"];
+        for (const char* key : {"shares", "key_rms", "gates"}) {
+          std::printf("  streams: %-8s by stream, mean over reads:", key);
+          const size_t m = s[key][0].size();
+          for (size_t j = 0; j < m; ++j) {
+            double sum = 0;
+            for (const auto& read : s[key]) sum += read[j].get<double>();
+            std::printf(" %.4g", sum / double(s[key].size()));
+          }
+          std::printf("\n");
+        }
+      }
       if (r.contains("rescue"))
         for (const auto& s : r["rescue"]["streams"]) {
           std::printf("  rescue gain, keep stream %lld, by layer:", (long long)s["stream"].get<int64_t>());

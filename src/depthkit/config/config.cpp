@@ -66,6 +66,7 @@ std::vector<Field> fields(Config& c) {
       {"residual", "streams", &r.streams, 1, 64},
       {"residual", "kernels", &r.kernels, 1, 4096},
       {"residual", "conv", &r.conv},
+      {"residual", "conv_init", &r.conv_init, -kInf, kInf, {"zeros", "average", "normal"}},
       {"residual", "fusion", &r.fusion, -kInf, kInf, {"hpre", "mean"}},
       {"residual", "sinkhorn_iters", &r.sinkhorn_iters, 1, 1000},
       {"residual", "impl", &r.impl, -kInf, kInf, {"reference", "fused"}},

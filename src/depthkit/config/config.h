@@ -82,6 +82,10 @@ struct ResidualConfig {
   int64_t streams = 4;            // m: MSAR streams, mHC streams
   std::vector<int64_t> kernels = {4, 8, 12};  // MSAR causal conv kernel sizes κ_1 … κ_{m−1}
   bool conv = true;               // MSAR: false replicates each source into m identical streams
+  // MSAR's convolution taps at step 0: zeros (the paper: streams r ≥ 1 start empty) | average
+  // (each tap 1/κ_r: causal moving averages) | normal (N(0, model.init_std)); docs/design.md,
+  // "MSAR's first hundred steps".
+  std::string conv_init = "zeros";
   std::string fusion = "hpre";    // MSAR stream fusion: hpre (eq. 13–14) | mean
   int64_t sinkhorn_iters = 20;    // mHC: Sinkhorn–Knopp iterations (row then column normalisation)
   std::string impl = "fused";  // fused (depthkit torch operators) | reference (ATen composition)

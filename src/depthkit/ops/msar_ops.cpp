@@ -2,11 +2,11 @@
 // ops/schema.cpp defines), their CPU kernels (ops/cpu/msar_cpu.cpp), the Autograd kernels that
 // route the backward to the hand-written backward operators, and the C++ wrappers (msar_ops.h).
 //
-//   depthkit::msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None)
-//       -> (Tensor out, Tensor log_partition)
+//   depthkit::msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None,
+//                       int context=0) -> (Tensor out, Tensor log_partition)
 //   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
 //                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
-//                       int[]? kernel_lengths=None) -> Tensor
+//                       int[]? kernel_lengths=None, int context=0) -> Tensor
 //   and their *_backward operators. msar_read_backward adds the sources' gradients into the buffers
 //   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and of the
 //   banks, the latter stacked [N, m − 1, d, K]: a mutating operator's outputs must be single
@@ -15,12 +15,21 @@
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
 // (msar_fuse, whose `out` input is msar_read's output). Expanded streams, normalised keys,
 // softmax weights, λ and H_pre are recomputed from the raw sources by the backward kernels.
+// The backward operators take no context: with one (a decoding step, which never runs a backward;
+// torch.library's checks do), the Autograd kernels give the context's positions a zero gradient
+// and ζ = +∞, whose softmax weight and merge share are exactly zero, so the backward over all T
+// positions is exact, and drop those positions from ∂out and ∂ζ.
 #include "depthkit/ops/msar_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+
+#include <initializer_list>
+#include <limits>
 
 #include "depthkit/ops/cpu/msar_cpu.h"
 #include "depthkit/ops/registration.h"
@@ -34,12 +43,13 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 using Lengths = c10::OptionalIntArrayRef;
-using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double, Lengths);
+using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::TensorList, at::TensorList, double, Lengths,
+                                                    int64_t);
 using ReadBackSig = std::tuple<at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
                                                         at::TensorList, at::TensorList, const at::Tensor&, double,
                                                         Lengths, at::TensorList);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                           const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths);
+                           const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths, int64_t);
 using FuseBackOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                at::Tensor>;
 using FuseBackSig = FuseBackOut(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -53,6 +63,16 @@ std::optional<std::vector<int64_t>> kept(const c10::IValue& v) {
   return v.toIntVector();
 }
 Lengths view(const std::optional<std::vector<int64_t>>& v) { return v ? Lengths(*v) : Lengths(); }
+
+// A tensor of positions [..., T − context] (dim `dim`) with `context` positions of `fill` before
+// them; undefined stays undefined (a zero gradient).
+at::Tensor with_context(const at::Tensor& t, int64_t dim, int64_t context, double fill) {
+  if (!t.defined() || context == 0) return t;
+  std::vector<int64_t> pad(2 * size_t(t.dim() - dim), 0);
+  pad[pad.size() - 2] = context;  // constant_pad_nd pads from the last dim: dim's (before, after) come last
+  return at::constant_pad_nd(t, pad, fill);
+}
+constexpr double kNoWeight = std::numeric_limits<double>::infinity();  // ζ of a context position
 
 
 // ---- CPU: the kernels' outputs in the schemas' form, each a tensor of its own ------------------
@@ -80,16 +100,17 @@ FuseBackOut msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, at::TensorList x, at::TensorList c,
-                               double eps, Lengths lengths) {
+                               double eps, Lengths lengths, int64_t context) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::msar_read");
-    auto [out, lse] = read.call(q, x, c, eps, lengths);
+    auto [out, lse] = read.call(q, x, c, eps, lengths, context);
     variable_list saved = {q, lse};  // not `out`, not the expanded streams
     saved.insert(saved.end(), x.begin(), x.end());
     saved.insert(saved.end(), c.begin(), c.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["lengths"] = keep(lengths);
+    ctx->saved_data["context"] = context;
     return {out, lse};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -99,13 +120,15 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
     const auto lengths = kept(ctx->saved_data["lengths"]);
     const at::TensorList sources = at::TensorList(s).slice(2, N);
     const SourceGradients gx = source_gradients(sources, s[1].scalar_type());  // ζ: the accumulation dtype
-    auto [gq, gc] = back.call(wrap(grads[0]), wrap(grads[1]), s[0], sources, at::TensorList(s).slice(2 + N, N), s[1],
+    const int64_t context = ctx->saved_data["context"].toInt();
+    auto [gq, gc] = back.call(wrap(with_context(grads[0], 2, context, 0)), wrap(with_context(grads[1], 2, context, 0)),
+                              s[0], sources, at::TensorList(s).slice(2 + N, N), with_context(s[1], 2, context, kNoWeight),
                               ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
     // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
     variable_list out = {gq};
     for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
-    out.insert(out.end(), 2, at::Tensor());  // eps, lengths
+    out.insert(out.end(), 3, at::Tensor());  // eps, lengths, context
     return out;
   }
 };
@@ -114,48 +137,77 @@ class MsarFuseFunction : public torch::autograd::Function<MsarFuseFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q,
                                const OptTensor& part, const OptTensor& pconv, const OptTensor& w, const OptTensor& b,
-                               const OptTensor& a, double eps, Lengths lengths) {
+                               const OptTensor& a, double eps, Lengths lengths, int64_t context) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fuse = op<FuseSig>("depthkit::msar_fuse");
     ctx->save_for_backward({out, lse, q, unwrap(part), unwrap(pconv), unwrap(w),
                             unwrap(b), unwrap(a)});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["lengths"] = keep(lengths);
-    return {fuse.call(out, lse, q, part, pconv, w, b, a, eps, lengths)};
+    ctx->saved_data["context"] = context;
+    return {fuse.call(out, lse, q, part, pconv, w, b, a, eps, lengths, context)};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto back = op<FuseBackSig>("depthkit::msar_fuse_backward");
     auto s = ctx->get_saved_variables();
     const auto lengths = kept(ctx->saved_data["lengths"]);
+    const int64_t context = ctx->saved_data["context"].toInt();
     auto [go, gl, gq, gp, gc, gw, gb, ga] =
-        back.call(grads[0], s[0], s[1], s[2], wrap(s[3]), wrap(s[4]), wrap(s[5]),
-                  wrap(s[6]), wrap(s[7]), ctx->saved_data["eps"].toDouble(), view(lengths));
-    return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor(), at::Tensor()};
+        back.call(with_context(grads[0], 1, context, 0), with_context(s[0], 2, context, 0),
+                  with_context(s[1], 2, context, kNoWeight), s[2], wrap(s[3]), wrap(s[4]), wrap(s[5]), wrap(s[6]),
+                  wrap(s[7]), ctx->saved_data["eps"].toDouble(), view(lengths));
+    if (context > 0) {
+      go = go.narrow(2, context, go.size(2) - context);
+      gl = gl.narrow(2, context, gl.size(2) - context);
+    }
+    return {go, gl, gq, gp, gc, gw, gb, ga, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// Whether autograd has anything to record: grad mode on and an input that requires a gradient.
+// When not (a decoding step, an evaluation), the Autograd kernels call the device kernel directly,
+// without a Function's context and saved inputs.
+bool records(std::initializer_list<at::TensorList> lists) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (at::TensorList list : lists)
+    for (const at::Tensor& t : list)
+      if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
 std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, at::TensorList x, at::TensorList c,
-                                                      double eps, Lengths lengths) {
-  auto r = MsarReadFunction::apply(q, x, c, eps, lengths);
+                                                      double eps, Lengths lengths, int64_t context) {
+  if (!records({q, x, c})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto read = op<ReadSig>("depthkit::msar_read");
+    return read.call(q, x, c, eps, lengths, context);
+  }
+  auto r = MsarReadFunction::apply(q, x, c, eps, lengths, context);
   return {r[0], r[1]};
 }
 
 at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
                               const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps,
-                              Lengths lengths) {
-  return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps, lengths)[0];
+                              Lengths lengths, int64_t context) {
+  if (!records({out, lse, q, unwrap(part), unwrap(pconv), unwrap(w), unwrap(b), unwrap(a)})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fuse = op<FuseSig>("depthkit::msar_fuse");
+    return fuse.call(out, lse, q, part, pconv, w, b, a, eps, lengths, context);
+  }
+  return MsarFuseFunction::apply(out, lse, q, part, pconv, w, b, a, eps, lengths, context)[0];
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depthkit, m) {
-  m.def("msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None) "
-        "-> (Tensor, Tensor)");
+  m.def("msar_read(Tensor queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None, "
+        "int context=0) -> (Tensor, Tensor)");
   m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] sources, "
         "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths, Tensor(a!)[] grad_sources) "
         "-> (Tensor, Tensor)");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
-        "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None) -> Tensor");
+        "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None, int context=0) "
+        "-> Tensor");
   m.def("msar_fuse_backward(Tensor grad, Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, "
         "Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, "
         "int[]? kernel_lengths=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -176,18 +228,18 @@ TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
 namespace fused {
 
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
-                                             double eps, c10::OptionalIntArrayRef kernel_lengths) {
+                                             double eps, c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
   static auto read = op<ReadSig>("depthkit::msar_read");
-  return read.call(queries, sources, conv, eps, kernel_lengths);
+  return read.call(queries, sources, conv, eps, kernel_lengths, context);
 }
 
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
                      const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
                      const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
-                     c10::OptionalIntArrayRef kernel_lengths) {
+                     c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
   static auto fuse = op<FuseSig>("depthkit::msar_fuse");
   return fuse.call(out, log_partition, queries, wrap(partial), wrap(partial_conv), wrap(w_pre), wrap(b_pre),
-                   wrap(alpha_pre), eps, kernel_lengths);
+                   wrap(alpha_pre), eps, kernel_lengths, context);
 }
 
 }  // namespace fused

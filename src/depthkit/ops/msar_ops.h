@@ -28,20 +28,25 @@ namespace depthkit::fused {
 // kernel_lengths (m − 1 entries in 1 … K), when given: stream r's kernel has kernel_lengths[r − 1]
 // taps and the rest of its K are padding, neither read nor given a gradient (zero), so the
 // kernels skip both (Appendix C: κ = {4, 8, 12} padded to 12). Absent: all K taps are parameters.
+// context (0 … T − 1): the sources' first positions are only the convolution windows of the later
+// ones, which alone are read: out [m, B, T − context, d], ζ [m, B, T − context]. A cached decoding
+// step passes each source's last K − 1 positions before its new ones, and reads only the new.
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
                                              double eps,
-                                             c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
+                                             c10::OptionalIntArrayRef kernel_lengths = std::nullopt,
+                                             int64_t context = 0);
 
 // Phase 2 and fusion, per token: merges the block partial's expansion into each stream by
 // online softmax (λ_r = σ(ζ_r − a_r), DAR eq. A.6–A.10), then fuses the m streams:
 // h = Σ_r H_pre[r] z⁽ʳ⁾ with H_pre = σ(α_pre · RMSNorm(flatten Z) W_preᵀ + b_pre) (eq. 13–14),
 // or h = mean_r z⁽ʳ⁾ when w_pre, b_pre, alpha_pre are absent (undefined tensors).
 //   out [m, B, T, d], log_partition [m, B, T], queries [m, d];
-//   partial [B, T, d] and partial_conv [m−1, d, K'] (absent at a block's first branch);
-//   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d]. kernel_lengths as for msar_read.
+//   partial [B, context + T, d] and partial_conv [m−1, d, K'] (absent at a block's first branch);
+//   w_pre [m, m·d], b_pre [m], alpha_pre [1]   →  h [B, T, d]. kernel_lengths as for msar_read;
+//   context as msar_read's, for the partial (0 without one).
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
                      const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
                      const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
-                     c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
+                     c10::OptionalIntArrayRef kernel_lengths = std::nullopt, int64_t context = 0);
 
 }  // namespace depthkit::fused

@@ -3,6 +3,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/full_like.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -27,6 +28,9 @@ namespace {
 // or the completed source it becomes), [B, K − 1, d]; zeros before position 0, as the convolution's.
 struct Tails final : PathwayCache {
   std::vector<at::Tensor> bank;
+  // Each bank's taps as the operators take them (Msar::taps), made once: a cache belongs to the
+  // weights it was started with, as its keys and values do. Not counted in bytes(): parameters.
+  std::vector<at::Tensor> taps;
   int64_t bytes() const override {
     int64_t n = 0;
     for (const at::Tensor& t : bank) n += t.nbytes();
@@ -43,7 +47,7 @@ struct Sources final : PathwayState {
   at::Tensor last_output; // f_ℓ(h_ℓ) of the last write
   // Decoding: the cache this chunk continues, and each row's real positions. Every tensor a bank
   // expands then carries the bank's tail before its T positions (`reach` rows), so the operators
-  // see each real position's whole window; their outputs drop those rows again.
+  // see each real position's whole window; they read the T positions only (their `context`).
   Tails* tails = nullptr;
   std::vector<int64_t> counts;
   int64_t reach = 0;
@@ -95,11 +99,20 @@ Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterSt
       b.alpha_pre = params.add(p + "pre.scale", "residual", {1}, Init::Constant, kPreScale);
     }
   }
+  // The taps at step 0 (residual.conv_init): zeros as the paper; the options start every stream
+  // r ≥ 1 non-empty (docs/design.md, "MSAR's first hundred steps").
+  auto tap_init = [&](int64_t kappa) -> std::pair<Init, double> {
+    if (residual.conv_init == "average") return {Init::Constant, 1.0 / double(kappa)};
+    if (residual.conv_init == "normal") return {Init::Normal, model.init_std};
+    return {Init::Zeros, 0.0};
+  };
   if (conv_)
     for (int64_t k = 0; k < schedule_.branches; ++k)
-      for (int64_t r = 1; r < m_; ++r)
+      for (int64_t r = 1; r < m_; ++r) {
+        const auto [init, scale] = tap_init(kernels_[r - 1]);
         bank_[k].push_back(params.add("residual.bank." + std::to_string(k) + ".conv" + std::to_string(r), "residual",
-                                      {d, kernels_[r - 1]}, Init::Zeros));
+                                      {d, kernels_[r - 1]}, init, scale));
+      }
 }
 
 at::Tensor Msar::taps(int64_t bank) const {
@@ -111,10 +124,15 @@ at::Tensor Msar::taps(int64_t bank) const {
   return at::stack(padded);
 }
 
+at::Tensor Msar::taps_of(PathwayState& state, int64_t bank) const {
+  Sources& s = sources(state);
+  return s.tails ? s.tails->taps[size_t(bank)] : taps(bank);
+}
+
 void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) const {
   Sources& s = sources(state);
   s.raw.push_back(fused::shared_source(with_past(s, bank, source)));  // its reads add its gradient into one buffer
-  s.taps.push_back(taps(bank));
+  s.taps.push_back(taps_of(state, bank));
 }
 
 std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
@@ -126,7 +144,10 @@ std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
 std::unique_ptr<PathwayCache> Msar::start_cache(int64_t batch, const at::Tensor& like) const {
   if (reach_ == 0) return nullptr;
   auto tails = std::make_unique<Tails>();
-  for (int64_t k = 0; k < schedule_.branches; ++k) tails->bank.push_back(at::zeros({batch, reach_, d_}, like.options()));
+  for (int64_t k = 0; k < schedule_.branches; ++k) {
+    tails->bank.push_back(at::zeros({batch, reach_, d_}, like.options()));
+    tails->taps.push_back(cast_like(taps(k), like));  // in the activations' dtype, as read() casts them
+  }
   return tails;
 }
 
@@ -154,28 +175,40 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
   std::vector<at::Tensor> banks;
   for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));
-  auto [out, lse] = read(queries, s.raw, banks, kKeyNormEps, lengths);
+  // While decoding, every expanded tensor carries its bank's tail first (with_past): a context
+  // of `reach` positions, which feeds the new positions' windows and is not read itself.
+  auto [out, lse] = read(queries, s.raw, banks, kKeyNormEps, lengths, s.reach);
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
-  at::Tensor h = fuse(out, lse, queries, with_partial ? with_past(s, l - 1, s.partial) : at::Tensor(),
-                      with_partial ? in_dtype(taps(l - 1)) : at::Tensor(), in_dtype(b.w_pre), in_dtype(b.b_pre),
-                      in_dtype(b.alpha_pre), kKeyNormEps, lengths);
-  // While decoding, every expanded tensor carried its bank's tail first (with_past); those rows go.
-  s.last_input = s.tails ? h.narrow(1, s.reach, h.size(1) - s.reach) : h;
+  s.last_input = fuse(out, lse, queries, with_partial ? with_past(s, l - 1, s.partial) : at::Tensor(),
+                      with_partial ? in_dtype(taps_of(s, l - 1)) : at::Tensor(), in_dtype(b.w_pre), in_dtype(b.b_pre),
+                      in_dtype(b.alpha_pre), kKeyNormEps, lengths, with_partial ? s.reach : 0);
   return s.last_input;
 }
 
 void Msar::observe_read(PathwayState& state, int64_t l) const {
   Sources& s = sources(state);
+  const Branch& b = branch_[l];
   std::vector<at::Tensor> expanded;
   for (size_t i = 0; i < s.raw.size(); ++i)
     expanded.push_back(reference::msar_expand(s.raw[i], s.taps[i]));
   at::Tensor completed = at::stack(expanded, 1);  // [m, N, B, T, d]
   at::Tensor part = schedule_.opens(l) ? at::Tensor() : reference::msar_expand(s.partial, taps(l - 1));
   for (int64_t r = 0; r < m_; ++r)
-    observer_->on_retrieval(l, r, depth_weights(branch_[l].queries[r], completed[r], part.defined() ? part[r] : part),
+    observer_->on_retrieval(l, r, depth_weights(b.queries[r], completed[r], part.defined() ? part[r] : part),
                             part.defined());
+  // The streams' keys before normalisation, gates and shares (the read again, by the references).
+  const at::Tensor key_rms = completed.square().mean(-1).sqrt().mean(1).permute({1, 2, 0});  // [B, T, m]
+  const c10::OptionalIntArrayRef lengths = conv_ && m_ > 1 ? c10::OptionalIntArrayRef(kernels_) : std::nullopt;
+  auto [out, lse] = reference::msar_read(b.queries, s.raw, s.taps, kKeyNormEps, lengths);
+  const at::Tensor Z = reference::msar_merged_streams(out, lse, b.queries, part.defined() ? s.partial : at::Tensor(),
+                                                      part.defined() ? taps(l - 1) : at::Tensor(), kKeyNormEps,
+                                                      lengths);  // [B, T, m, d]
+  const at::Tensor gates = mean_fusion_ ? at::full_like(key_rms, 1.0 / double(m_))
+                                        : reference::msar_fusion_gates(Z, b.w_pre, b.b_pre, b.alpha_pre, kKeyNormEps);
+  const at::Tensor norms = (gates.unsqueeze(-1) * Z).square().sum(-1).sqrt();  // [B, T, m]
+  observer_->on_stream_fusion(l, key_rms, gates, norms / norms.sum(-1, true).clamp_min(1e-30));
 }
 
 void Msar::write(PathwayState& state, int64_t l, const at::Tensor& out) {
@@ -223,7 +256,7 @@ PathwayKind msar_pathway_kind() {
       fail(where, ": key 'residual.kernels' has ", r.kernels.size(), " kernel sizes; MSAR with residual.streams = ",
            r.streams, " needs ", r.streams - 1, " (stream 0 is the identity)");
   };
-  k.analyses = {"maps"};
+  k.analyses = {"maps", "streams"};
   // eq. 10–17: causal depthwise expansion of each source (once, N appends; the last output is
   // merged, not expanded) and of each partial, per-stream reads, H_pre fusion.
   k.flops = [](const CostShape& s, const ResidualConfig& r) {

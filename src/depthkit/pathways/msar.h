@@ -58,6 +58,8 @@ class Msar final : public ResidualPathway {
   at::Tensor taps(int64_t bank) const;
 
  private:
+  // Bank `bank`'s taps for this state: the decoding cache's, made once, or taps(bank).
+  at::Tensor taps_of(PathwayState& state, int64_t bank) const;
   // Adds a completed source to the state, with its bank's taps.
   void append(PathwayState& state, const at::Tensor& source, int64_t bank) const;
   // Reports every stream's retrieval weights of read ℓ to the observer.

@@ -32,6 +32,12 @@ class PathwayObserver {
   virtual void on_retrieval(int64_t branch, int64_t stream, const at::Tensor& weights, bool with_partial) {}
   // The write gates of branch ℓ, [B, T, streams] (DAR's β_ℓ, eq. 16).
   virtual void on_write_gates(int64_t branch, const at::Tensor& gates) {}
+  // MSAR's m streams at branch ℓ's read, each [B, T, m]: the RMS of each stream's keys before
+  // their normalisation (mean over the completed sources; eq. 10), its fusion gate H_pre[r]
+  // (eq. 13; 1/m under mean fusion) and its share of the fused input,
+  // ‖H_pre[r] z⁽ʳ⁾‖ / Σ_r′ ‖H_pre[r′] z⁽ʳ′⁾‖ (eq. 14).
+  virtual void on_stream_fusion(int64_t branch, const at::Tensor& key_rms, const at::Tensor& gates,
+                                const at::Tensor& shares) {}
 };
 
 // The block schedule shared by every block pathway (docs/design.md, "Pathways"; DAR eq. 8–9,

@@ -9,8 +9,11 @@
 // (the expansion and ∂x); the gradients of the padding are skipped when the caller gives the
 // kernels' lengths (kernel_lengths).
 #pragma once
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/OptionalArrayRef.h>
 #include <c10/util/BFloat16.h>
 
@@ -300,6 +303,32 @@ inline at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
   return conv.to(acc).transpose(-1, -2).contiguous();
 }
 
+// A list of N banks [L, d, K] → one [N, L, K, d] in the accumulation type (`acc`, the opmath type
+// of the banks' dtype), by a plain loop: one allocation where a stack, a cast and a transpose
+// would be three ops and two copies per read. Kernel r's taps past lengths[r] (padding, which no
+// kernel reads: taps_used stops before it) are left zero without being transposed.
+inline at::Tensor stacked_taps_kd(at::TensorList conv, at::ScalarType acc, const std::vector<int64_t>& lengths) {
+  const int64_t N = int64_t(conv.size()), L = conv[0].size(0), d = conv[0].size(1), K = conv[0].size(2);
+  at::Tensor out = at::empty({N, L, K, d}, conv[0].options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, conv[0].scalar_type(), "stacked_taps_kd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    TORCH_INTERNAL_ASSERT(out.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
+    acc_t* o = out.mutable_data_ptr<acc_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      const at::Tensor c = conv[size_t(n)].contiguous();
+      const scalar_t* p = c.const_data_ptr<scalar_t>();
+      for (int64_t r = 0; r < L; ++r) {
+        acc_t* o_r = o + (n * L + r) * K * d;
+        const int64_t len = lengths[size_t(r)];
+        for (int64_t i = 0; i < d; ++i)
+          for (int64_t k = 0; k < len; ++k) o_r[k * d + i] = acc_t(p[(r * d + i) * K + k]);
+        std::fill(o_r + len * d, o_r + K * d, acc_t(0));
+      }
+    }
+  });
+  return out;
+}
+
 // The length of each of the L = m − 1 kernels of a bank zero-padded to K taps (MSAR Appendix C:
 // κ = {4, 8, 12} padded to 12): `lengths` when the caller gives them, each in 1 … K, else K. Taps
 // at δ ≥ length are padding, not parameters: they are not read and their gradient is zero.
@@ -316,14 +345,19 @@ inline std::vector<int64_t> kernel_lengths(c10::OptionalIntArrayRef lengths, int
 // Per kernel of taps [..., L, K, d]: 1 + the last δ below its length with a nonzero tap. Taps after
 // it are zero (padding, or a kernel's own zeros at its end): the expansion and ∂x skip them, which
 // is exact; ∂c skips only the padding (zero_padding), as the kernel's own zero taps have gradients.
+// A plain scan from each kernel's last tap back (one row of d for a kernel whose last tap is
+// nonzero), not ATen ops: a decoding step calls it per read.
 inline std::vector<int64_t> taps_used(const at::Tensor& taps_kd, const std::vector<int64_t>& lengths) {
-  const int64_t K = taps_kd.size(-2), L = int64_t(lengths.size());
-  const at::Tensor nonzero = taps_kd.ne(0).any(-1).reshape({-1, K}).contiguous();
-  const bool* nz = nonzero.const_data_ptr<bool>();
-  std::vector<int64_t> used(nonzero.size(0), 0);
-  for (int64_t k = 0; k < nonzero.size(0); ++k)
-    for (int64_t delta = 0; delta < lengths[k % L]; ++delta)
-      if (nz[k * K + delta]) used[k] = delta + 1;
+  const int64_t K = taps_kd.size(-2), d = taps_kd.size(-1), L = int64_t(lengths.size());
+  std::vector<int64_t> used(size_t(taps_kd.numel() / std::max<int64_t>(K * d, 1)), 0);
+  AT_DISPATCH_FLOATING_TYPES(taps_kd.scalar_type(), "taps_used", [&] {
+    const scalar_t* c = taps_kd.const_data_ptr<scalar_t>();  // contiguous (taps_kd)
+    for (size_t k = 0; k < used.size(); ++k)
+      for (int64_t delta = lengths[k % size_t(L)] - 1; delta >= 0 && used[k] == 0; --delta) {
+        const scalar_t* row = c + (int64_t(k) * K + delta) * d;
+        if (std::any_of(row, row + d, [](scalar_t v) { return v != scalar_t(0); })) used[k] = delta + 1;
+      }
+  });
   return used;
 }
 

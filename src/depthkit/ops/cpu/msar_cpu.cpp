@@ -206,7 +206,7 @@ const acc_t* stream_rows(acc_t* buf, const scalar_t* x0, const acc_t* taps, cons
   return buf;
 }
 
-void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c) {
+void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c, int64_t context = 0) {
   if (x.empty()) fail("msar_read: needs at least one source");
   if (q.dim() != 2 || x[0].dim() != 3) fail("msar_read: expected queries [m, d], sources [B, T, d] each");
   const int64_t m = q.size(0), d = q.size(1);
@@ -222,24 +222,32 @@ void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c) {
     if (x[n].scalar_type() != q.scalar_type() || c[n].scalar_type() != q.scalar_type())
       fail("msar_read: queries, sources and conv must share a dtype");
   }
+  if (context < 0 || context >= x[0].size(1))
+    fail("msar_read: context = ", context, " must leave a position of the sources' T = ", x[0].size(1),
+         " (0 <= context < T)");
 }
 
 struct FuseArgs {
   int64_t m, B, T, d, K;
+  int64_t Tx;  // the partial's positions: T + context
   bool partial, hpre;
 };
 
 FuseArgs check_fuse(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& part,
-                    const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha) {
+                    const at::Tensor& pconv, const at::Tensor& w, const at::Tensor& b, const at::Tensor& alpha,
+                    int64_t context) {
   if (out.dim() != 4 || lse.dim() != 3 || q.dim() != 2)
     fail("msar_fuse: expected out [m, B, T, d], log_partition [m, B, T], queries [m, d]");
-  FuseArgs a{out.size(0), out.size(1), out.size(2), out.size(3), 1, part.defined(), w.defined()};
+  FuseArgs a{out.size(0), out.size(1), out.size(2), out.size(3), 1, out.size(2) + context, part.defined(), w.defined()};
   if (lse.sizes() != out.sizes().slice(0, 3)) fail("msar_fuse: log_partition ", lse.sizes(), " vs out ", out.sizes());
   if (q.size(0) != a.m || q.size(1) != a.d) fail("msar_fuse: queries ", q.sizes(), " vs out ", out.sizes());
   if (part.defined() != pconv.defined()) fail("msar_fuse: partial and partial_conv come together");
+  if (context < 0 || (context > 0 && !part.defined()))
+    fail("msar_fuse: context = ", context, " must be 0, or positive with a partial (its window rows)");
   if (a.partial) {
-    if (part.dim() != 3 || part.size(0) != a.B || part.size(1) != a.T || part.size(2) != a.d)
-      fail("msar_fuse: partial ", part.sizes(), " vs [B, T, d] of out ", out.sizes());
+    if (part.dim() != 3 || part.size(0) != a.B || part.size(1) != a.Tx || part.size(2) != a.d)
+      fail("msar_fuse: partial ", part.sizes(), " vs [B, context + T, d] of out ", out.sizes(), " and context = ",
+           context);
     if (pconv.dim() != 3 || pconv.size(0) != a.m - 1 || pconv.size(1) != a.d || pconv.size(2) < 1)
       fail("msar_fuse: partial_conv ", pconv.sizes(), " does not match [m - 1, d, K] = [", a.m - 1, ", ", a.d, ", K]");
     a.K = pconv.size(2);
@@ -265,15 +273,22 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
   FuseInputs in;
   if (A.partial) {
     in.x = partial.to(storage).contiguous();
-    in.c = taps_kd(partial_conv, acc);
     in.lengths = kernel_lengths(lengths, A.m - 1, A.K, "msar_fuse");
+    in.c = stacked_taps_kd({partial_conv}, acc, in.lengths)[0];
     in.used = taps_used(in.c, in.lengths);
   }
   if (A.hpre) {  // W_pre padded to a multiple of 4 rows with zeros (hpre_gates' register blocks)
-    in.W = at::zeros({round_up4(A.m), A.m * A.d}, w_pre.options().dtype(acc));
-    in.W.narrow(0, 0, A.m).copy_(w_pre);
+    if (round_up4(A.m) == A.m) {
+      in.W = w_pre.to(acc).contiguous();
+    } else {
+      in.W = at::zeros({round_up4(A.m), A.m * A.d}, w_pre.options().dtype(acc));
+      in.W.narrow(0, 0, A.m).copy_(w_pre);
+    }
     in.bias = b_pre.to(acc).contiguous();
-    in.alpha = alpha_pre.item<double>();
+    // α read in place (a CPU scalar), not by item(): one operator call less per read.
+    const at::Tensor a = alpha_pre.contiguous();
+    in.alpha = AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "msar_fuse alpha",
+                                              [&] { return double(*a.const_data_ptr<scalar_t>()); });
   }
   return in;
 }
@@ -282,17 +297,18 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
 
 std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
                                                      at::TensorList conv, double eps,
-                                                     c10::OptionalIntArrayRef lengths_) {
-  check_read(queries, sources, conv);
+                                                     c10::OptionalIntArrayRef lengths_, int64_t context) {
+  check_read(queries, sources, conv, context);
   const auto acc_type = acc_type_of(queries);
   const std::vector<at::Tensor> x = contiguous_all(sources);
-  const at::Tensor q = queries.to(acc_type).contiguous(), c = taps_kd(at::stack(conv), acc_type);
-  const int64_t K = c.size(-2);
-  const std::vector<int64_t> used = taps_used(c, kernel_lengths(lengths_, conv[0].size(0), K, "msar_read"));
+  const int64_t K = conv[0].size(2);
+  const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
+  const at::Tensor q = queries.to(acc_type).contiguous(), c = stacked_taps_kd(conv, acc_type, lengths);
+  const std::vector<int64_t> used = taps_used(c, lengths);
   const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
-  const int64_t P = B * T;
-  at::Tensor out = at::empty({m, B, T, d}, x[0].options());
-  at::Tensor lse = at::empty({m, B, T}, x[0].options().dtype(acc_type));
+  const int64_t To = T - context, P = B * To;  // the positions read: context … T − 1
+  at::Tensor out = at::empty({m, B, To, d}, x[0].options());
+  at::Tensor lse = at::empty({m, B, To}, x[0].options().dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -305,29 +321,31 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
     // whole tile (expand_tile, E [N, kTile, d]) with their (Σ v², q·v); then the scores, the
     // softmax over the sources and out token by token. (The scores of a tile are independent of
     // one another, so their square roots and exponentials overlap, where an online softmax token by
-    // token waits on each in turn.)
-    const int64_t tiles = (T + kTile - 1) / kTile;
+    // token waits on each in turn.) The tiles cover the positions read; the context before them is
+    // read only through the expansions' windows.
+    // (A tile of at most the positions read: a decoding step's buffers hold its one position.)
+    const int64_t tile = std::min(kTile, To), tiles = (To + tile - 1) / tile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> E(N * kTile * d), a(N * kTile), u(d);
+      std::vector<acc_t> E(N * tile * d), a(N * tile), u(d);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the tile: in E, or the source itself
       for (int64_t c = c0; c < c1; ++c) {
-        const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
+        const int64_t b = c / tiles, t0 = context + (c % tiles) * tile, nt = std::min(T, t0 + tile) - t0;
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
-            rows[n] = stream_rows(E.data() + n * kTile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
+            rows[n] = stream_rows(E.data() + n * tile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
               const auto [ss, qv] = square_and_dot<acc_t>(rows[n] + j * d, qr, d);
-              a[n * kTile + j] = qv * inv_rms<acc_t>(ss, d, eps);  // (A.1)
+              a[n * tile + j] = qv * inv_rms<acc_t>(ss, d, eps);  // (A.1)
             }
           }
           for (int64_t j = 0; j < nt; ++j) {
-            const int64_t p = b * T + t0 + j;
+            const int64_t p = b * To + t0 - context + j;
             acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
-            for (int64_t n = 0; n < N; ++n) mx = std::max(mx, a[n * kTile + j]);  // (A.2)
+            for (int64_t n = 0; n < N; ++n) mx = std::max(mx, a[n * tile + j]);  // (A.2)
             std::fill(u.begin(), u.end(), acc_t(0));
             for (int64_t n = 0; n < N; ++n) {
-              const acc_t w = std::exp(a[n * kTile + j] - mx);
+              const acc_t w = std::exp(a[n * tile + j] - mx);
               Z += w;                                        // (A.3)
               axpy(u.data(), w, rows[n] + j * d, d);  // (A.4)
             }
@@ -352,10 +370,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
   check_read(queries, sources, conv);
   const auto acc_type = acc_type_of(queries);
   const std::vector<at::Tensor> x = contiguous_all(sources);
-  const at::Tensor q = queries.to(acc_type).contiguous(), c = taps_kd(at::stack(conv), acc_type),
-                   lse = lse_.to(acc_type).contiguous();
-  const int64_t K = c.size(-2);
+  const int64_t K = conv[0].size(2);
   const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
+  const at::Tensor q = queries.to(acc_type).contiguous(), c = stacked_taps_kd(conv, acc_type, lengths),
+                   lse = lse_.to(acc_type).contiguous();
   const std::vector<int64_t> used = taps_used(c, lengths);
   const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t P = B * T, L = m - 1;
@@ -462,15 +480,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
 at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& queries,
                              const OptTensor& partial_opt, const OptTensor& partial_conv_opt,
                              const OptTensor& w_pre_opt, const OptTensor& b_pre_opt, const OptTensor& alpha_pre_opt,
-                             double eps, c10::OptionalIntArrayRef lengths) {
+                             double eps, c10::OptionalIntArrayRef lengths, int64_t context) {
   const at::Tensor partial = unwrap(partial_opt);
   const at::Tensor partial_conv = unwrap(partial_conv_opt);
   const at::Tensor w_pre = unwrap(w_pre_opt);
   const at::Tensor b_pre = unwrap(b_pre_opt);
   const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
-  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, context);
   const auto acc_type = acc_type_of(out_);
-  const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T;
+  const int64_t m = A.m, B = A.B, T = A.T, Tx = A.Tx, d = A.d, K = A.K, P = B * T;
   const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
   const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths);
   const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
@@ -490,19 +508,23 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
     scalar_t* hp = h.mutable_data_ptr<scalar_t>();
     // Tiles of kTile tokens of one batch row: the expansions of the partial for the whole tile
     // (expand_tile, V [m, kTile, d]), the merged streams Z [kTile, m·d] token by token, the tile's
-    // H_pre gates (hpre_gates), then h token by token.
-    const int64_t tiles = (T + kTile - 1) / kTile, md = m * d, m4 = round_up4(m);
+    // H_pre gates (hpre_gates), then h token by token. A tile's positions t0 … count the partial's
+    // rows (the context first); out, ζ and h have none for the context.
+    // (A tile of at most the positions fused; its gate products' rows rounded up to 4.)
+    const int64_t tile = std::min(kTile, T), tiles = (T + tile - 1) / tile, rows4 = round_up4(tile), md = m * d,
+                  m4 = round_up4(m);
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), Z(kTile * md, acc_t(0)), pre(kTile * m4), y(kTile * m4),
-          S(kTile), hacc(d);
+      std::vector<acc_t> V(A.partial ? m * tile * d : 0), Z(rows4 * md, acc_t(0)), pre(rows4 * m4), y(rows4 * m4),
+          S(tile), hacc(d);
       for (int64_t c = c0; c < c1; ++c) {
-        const int64_t b = c / tiles, t0 = (c % tiles) * kTile, nt = std::min(T, t0 + kTile) - t0;
+        const int64_t b = c / tiles, t0 = Tx - T + (c % tiles) * tile, nt = std::min(Tx, t0 + tile) - t0;
         for (int64_t r = 0; A.partial && r < m; ++r)
-          expand_tile(V.data() + r * kTile * d, xp + (b * T + t0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
+          expand_tile(V.data() + r * tile * d, xp + (b * Tx + t0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
                       r == 0 ? 1 : used[r - 1], t0, nt, d);
         std::fill(Z.begin() + nt * md, Z.begin() + round_up4(nt) * md, acc_t(0));  // (a shorter last tile)
+        const int64_t p0 = b * T + t0 - (Tx - T);  // the tile's first position in out, ζ and h
         for (int64_t j = 0; j < nt; ++j) {
-          const int64_t p = b * T + t0 + j;
+          const int64_t p = p0 + j;
           for (int64_t r = 0; r < m; ++r) {
             const scalar_t* o_r = op + (r * P + p) * d;
             acc_t* z_r = Z.data() + j * md + r * d;
@@ -510,7 +532,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
               for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
               continue;
             }
-            merge_stream(z_r, o_r, V.data() + (r * kTile + j) * d, qp + r * d, lp[r * P + p], d, eps);
+            merge_stream(z_r, o_r, V.data() + (r * tile + j) * d, qp + r * d, lp[r * P + p], d, eps);
           }
         }
         if (A.hpre) {
@@ -521,7 +543,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
         for (int64_t j = 0; j < nt; ++j) {
           std::fill(hacc.begin(), hacc.end(), acc_t(0));
           for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[j * m4 + r], Z.data() + j * md + r * d, d);  // eq. 14
-          scalar_t* h_p = hp + (b * T + t0 + j) * d;
+          scalar_t* h_p = hp + (p0 + j) * d;
           for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
         }
       }
@@ -545,7 +567,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const at::Tensor w_pre = unwrap(w_pre_opt);
   const at::Tensor b_pre = unwrap(b_pre_opt);
   const at::Tensor alpha_pre = unwrap(alpha_pre_opt);
-  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre);
+  const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, 0);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T, L = m - 1;
   const auto acc_opts = out_.options().dtype(acc_type);

@@ -46,7 +46,7 @@ at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank) {
 
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, at::TensorList source_list,
                                              at::TensorList conv_list, double eps,
-                                             c10::OptionalIntArrayRef kernel_lengths) {
+                                             c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
   const at::Tensor sources_ = at::stack(source_list), conv_ = at::stack(conv_list);
   // As the fused kernel: the expansion and the reads in the accumulation dtype (the expanded
   // streams are never rounded to the sources' dtype), out stored in the sources' dtype, ζ not.
@@ -55,6 +55,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, at::Ten
   std::vector<at::Tensor> expanded;
   for (int64_t n = 0; n < sources.size(0); ++n) expanded.push_back(msar_expand(sources[n], conv[n]));
   at::Tensor E = at::stack(expanded, 1);  // [m, N, B, T, d]
+  E = E.narrow(3, context, E.size(3) - context);  // the context only fed the windows
   std::vector<at::Tensor> outs, lses;
   for (int64_t r = 0; r < queries.size(0); ++r) {  // per-stream depth attention (eq. 11–12)
     DepthRead read = depthkit::depth_read(queries[r], E[r], E[r], eps);
@@ -64,26 +65,38 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, at::Ten
   return {at::stack(outs).to(sources_.scalar_type()), at::stack(lses)};
 }
 
-at::Tensor msar_fuse(const at::Tensor& out_, const at::Tensor& log_partition_, const at::Tensor& queries_,
-                     const at::Tensor& partial_, const at::Tensor& partial_conv_, const at::Tensor& w_pre_,
-                     const at::Tensor& b_pre_, const at::Tensor& alpha_pre_, double eps,
-                     c10::OptionalIntArrayRef kernel_lengths) {
-  // As the fused kernel: the merge, H_pre and the fusion in the accumulation dtype, h stored in
-  // out's dtype.
+at::Tensor msar_merged_streams(const at::Tensor& out_, const at::Tensor& log_partition_, const at::Tensor& queries_,
+                               const at::Tensor& partial_, const at::Tensor& partial_conv_, double eps,
+                               c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
   const at::Tensor out = widen(out_, out_), log_partition = widen(log_partition_, out_),
                    queries = widen(queries_, out_), partial = widen(partial_, out_),
-                   partial_conv = widen(within_lengths(partial_conv_, kernel_lengths), out_), w_pre = widen(w_pre_, out_), b_pre = widen(b_pre_, out_),
-                   alpha_pre = widen(alpha_pre_, out_);
-  at::Tensor part = partial.defined() ? msar_expand(partial, partial_conv) : at::Tensor();
+                   partial_conv = widen(within_lengths(partial_conv_, kernel_lengths), out_);
+  at::Tensor part = partial.defined() ? msar_expand(partial, partial_conv).narrow(2, context, out.size(2)) : at::Tensor();
   std::vector<at::Tensor> z;
   for (int64_t r = 0; r < queries.size(0); ++r)  // phase 2 (eq. 17, A.6–A.10)
     z.push_back(partial.defined()
                     ? merge_partial(DepthRead{out[r], log_partition[r]}, queries[r], part[r], part[r], eps)
                     : out[r]);
-  at::Tensor Z = at::stack(z, -2);  // [B, T, m, d]
-  if (!w_pre.defined()) return Z.mean(-2).to(out_.scalar_type());  // fusion = "mean"
-  at::Tensor pre = at::sigmoid(alpha_pre * at::linear(key_norm(Z.flatten(-2), eps), w_pre) + b_pre);  // eq. 13
-  return (pre.unsqueeze(-1) * Z).sum(-2).to(out_.scalar_type());                                     // eq. 14
+  return at::stack(z, -2);  // [B, T, m, d]
+}
+
+at::Tensor msar_fusion_gates(const at::Tensor& Z, const at::Tensor& w_pre, const at::Tensor& b_pre,
+                             const at::Tensor& alpha_pre, double eps) {
+  return at::sigmoid(widen(alpha_pre, Z) * at::linear(key_norm(Z.flatten(-2), eps), widen(w_pre, Z)) +
+                     widen(b_pre, Z));  // eq. 13
+}
+
+at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
+                     const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
+                     const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
+                     c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
+  // As the fused kernel: the merge, H_pre and the fusion in the accumulation dtype, h stored in
+  // out's dtype.
+  const at::Tensor Z = msar_merged_streams(out, log_partition, queries, partial, partial_conv, eps, kernel_lengths,
+                                           context);
+  if (!w_pre.defined()) return Z.mean(-2).to(out.scalar_type());  // fusion = "mean"
+  const at::Tensor pre = msar_fusion_gates(Z, w_pre, b_pre, alpha_pre, eps);
+  return (pre.unsqueeze(-1) * Z).sum(-2).to(out.scalar_type());  // eq. 14
 }
 
 }  // namespace depthkit::reference

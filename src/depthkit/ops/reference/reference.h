@@ -46,18 +46,28 @@ std::pair<at::Tensor, at::Tensor> dar_write(const at::Tensor& f, const at::Tenso
 // stream 0 the identity, stream r the causal depthwise convolution Σ_δ c[r − 1, :, δ] ⊙ x_{t−δ},
 // zero before position 0 (by grouped conv1d). Both MSAR references and the pathway's observer use it.
 at::Tensor msar_expand(const at::Tensor& x, const at::Tensor& bank);
-// queries [m, d], sources: N [B, T, d], conv: N [m − 1, d, K] → out [m, B, T, d], ζ [m, B, T];
-// kernel_lengths as fused::msar_read takes them (the padding is masked to zero).
+// queries [m, d], sources: N [B, T, d], conv: N [m − 1, d, K] → out [m, B, T − context, d],
+// ζ [m, B, T − context]; kernel_lengths (the padding is masked to zero) and context as
+// fused::msar_read takes them.
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
                                              double eps,
-                                             c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
-// out, ζ, queries as msar_read returns and takes them; partial [B, T, d] and partial_conv
-// [m − 1, d, K'] or both undefined; w_pre [m, m·d], b_pre [m], alpha_pre [1] or all undefined
-// (mean fusion) → h [B, T, d].
+                                             c10::OptionalIntArrayRef kernel_lengths = std::nullopt,
+                                             int64_t context = 0);
+// out, ζ, queries as msar_read returns and takes them; partial [B, context + T, d] and
+// partial_conv [m − 1, d, K'] or both undefined; w_pre [m, m·d], b_pre [m], alpha_pre [1] or all
+// undefined (mean fusion) → h [B, T, d].
 at::Tensor msar_fuse(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
                      const at::Tensor& partial, const at::Tensor& partial_conv, const at::Tensor& w_pre,
                      const at::Tensor& b_pre, const at::Tensor& alpha_pre, double eps,
-                     c10::OptionalIntArrayRef kernel_lengths = std::nullopt);
+                     c10::OptionalIntArrayRef kernel_lengths = std::nullopt, int64_t context = 0);
+// msar_fuse's two steps, for the pathway's observer as well: the m streams after the partial's
+// merge, Z [B, T, m, d] in the accumulation dtype (eq. 17; out itself at a block's first branch),
+// and their H_pre gates [B, T, m] (eq. 13).
+at::Tensor msar_merged_streams(const at::Tensor& out, const at::Tensor& log_partition, const at::Tensor& queries,
+                               const at::Tensor& partial, const at::Tensor& partial_conv, double eps,
+                               c10::OptionalIntArrayRef kernel_lengths = std::nullopt, int64_t context = 0);
+at::Tensor msar_fusion_gates(const at::Tensor& Z, const at::Tensor& w_pre, const at::Tensor& b_pre,
+                             const at::Tensor& alpha_pre, double eps);
 
 // ---- mhc_pre, mhc_sinkhorn, mhc_merge (ops/mhc_ops.h; MSAR eq. 3–5) -----------------------------
 
