@@ -9,9 +9,12 @@
 
 namespace depthkit {
 
-// `weight` in the dtype of `activation` (undefined stays undefined: absent optional inputs).
+// `weight` in the dtype of `activation` (undefined stays undefined: absent optional inputs). The
+// same tensor, without an operator call, when the dtypes already agree (`to` would return it too):
+// the pathways cast their parameters at every read, many times per decoded position.
 inline at::Tensor cast_like(const at::Tensor& weight, const at::Tensor& activation) {
-  return weight.defined() ? weight.to(activation.scalar_type()) : weight;
+  if (!weight.defined() || weight.scalar_type() == activation.scalar_type()) return weight;
+  return weight.to(activation.scalar_type());
 }
 
 }  // namespace depthkit

@@ -298,32 +298,47 @@ void for_each_tile(const TileGroups& g, int64_t T, const Fn& fn) {
   }
 }
 
+// t contiguous in `type`, without an operator call when it already is (a decoding step makes
+// many small calls, where each no-op `to` is a dispatch).
+inline at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType type) {
+  return t.scalar_type() == type ? t.contiguous() : t.to(type).contiguous();
+}
+
 // Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
 inline at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
   return conv.to(acc).transpose(-1, -2).contiguous();
 }
 
+// One bank's taps p [L, d, K] → o [L, K, d], kernel r's first lengths[r] taps transposed and the
+// rest (padding, which no kernel reads: taps_used stops before it) zero.
+template <class acc_t, class scalar_t>
+void transpose_taps(acc_t* o, const scalar_t* p, int64_t L, int64_t d, int64_t K, const std::vector<int64_t>& lengths) {
+  for (int64_t r = 0; r < L; ++r) {
+    acc_t* o_r = o + r * K * d;
+    const scalar_t* p_r = p + r * d * K;
+    const int64_t len = lengths[size_t(r)];
+    for (int64_t k = 0; k < len; ++k) {  // rows of d written in order (the reads stride K)
+      acc_t* o_k = o_r + k * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o_k[i] = acc_t(p_r[i * K + k]);
+    }
+    std::fill(o_r + len * d, o_r + K * d, acc_t(0));
+  }
+}
+
 // A list of N banks [L, d, K] → one [N, L, K, d] in the accumulation type (`acc`, the opmath type
 // of the banks' dtype), by a plain loop: one allocation where a stack, a cast and a transpose
-// would be three ops and two copies per read. Kernel r's taps past lengths[r] (padding, which no
-// kernel reads: taps_used stops before it) are left zero without being transposed.
+// would be three ops and two copies per read; the padding past each kernel's length is not
+// transposed (transpose_taps).
 inline at::Tensor stacked_taps_kd(at::TensorList conv, at::ScalarType acc, const std::vector<int64_t>& lengths) {
   const int64_t N = int64_t(conv.size()), L = conv[0].size(0), d = conv[0].size(1), K = conv[0].size(2);
   at::Tensor out = at::empty({N, L, K, d}, conv[0].options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, conv[0].scalar_type(), "stacked_taps_kd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     TORCH_INTERNAL_ASSERT(out.scalar_type() == c10::CppTypeToScalarType<acc_t>::value);
-    acc_t* o = out.mutable_data_ptr<acc_t>();
     for (int64_t n = 0; n < N; ++n) {
       const at::Tensor c = conv[size_t(n)].contiguous();
-      const scalar_t* p = c.const_data_ptr<scalar_t>();
-      for (int64_t r = 0; r < L; ++r) {
-        acc_t* o_r = o + (n * L + r) * K * d;
-        const int64_t len = lengths[size_t(r)];
-        for (int64_t i = 0; i < d; ++i)
-          for (int64_t k = 0; k < len; ++k) o_r[k * d + i] = acc_t(p[(r * d + i) * K + k]);
-        std::fill(o_r + len * d, o_r + K * d, acc_t(0));
-      }
+      transpose_taps(out.mutable_data_ptr<acc_t>() + n * L * K * d, c.const_data_ptr<scalar_t>(), L, d, K, lengths);
     }
   });
   return out;

@@ -272,19 +272,19 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
                        const at::Tensor& alpha_pre, c10::OptionalIntArrayRef lengths) {
   FuseInputs in;
   if (A.partial) {
-    in.x = partial.to(storage).contiguous();
+    in.x = contiguous_as(partial, storage);
     in.lengths = kernel_lengths(lengths, A.m - 1, A.K, "msar_fuse");
     in.c = stacked_taps_kd({partial_conv}, acc, in.lengths)[0];
     in.used = taps_used(in.c, in.lengths);
   }
   if (A.hpre) {  // W_pre padded to a multiple of 4 rows with zeros (hpre_gates' register blocks)
     if (round_up4(A.m) == A.m) {
-      in.W = w_pre.to(acc).contiguous();
+      in.W = contiguous_as(w_pre, acc);
     } else {
       in.W = at::zeros({round_up4(A.m), A.m * A.d}, w_pre.options().dtype(acc));
       in.W.narrow(0, 0, A.m).copy_(w_pre);
     }
-    in.bias = b_pre.to(acc).contiguous();
+    in.bias = contiguous_as(b_pre, acc);
     // α read in place (a CPU scalar), not by item(): one operator call less per read.
     const at::Tensor a = alpha_pre.contiguous();
     in.alpha = AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "msar_fuse alpha",
@@ -303,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
   const std::vector<at::Tensor> x = contiguous_all(sources);
   const int64_t K = conv[0].size(2);
   const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
-  const at::Tensor q = queries.to(acc_type).contiguous(), c = stacked_taps_kd(conv, acc_type, lengths);
+  const at::Tensor q = contiguous_as(queries, acc_type), c = stacked_taps_kd(conv, acc_type, lengths);
   const std::vector<int64_t> used = taps_used(c, lengths);
   const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t To = T - context, P = B * To;  // the positions read: context … T − 1
@@ -372,14 +372,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
   const std::vector<at::Tensor> x = contiguous_all(sources);
   const int64_t K = conv[0].size(2);
   const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
-  const at::Tensor q = queries.to(acc_type).contiguous(), c = stacked_taps_kd(conv, acc_type, lengths),
-                   lse = lse_.to(acc_type).contiguous();
+  const at::Tensor q = contiguous_as(queries, acc_type), c = stacked_taps_kd(conv, acc_type, lengths),
+                   lse = contiguous_as(lse_, acc_type);
   const std::vector<int64_t> used = taps_used(c, lengths);
   const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t P = B * T, L = m - 1;
   const auto options = x[0].options();
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, options);
-  const at::Tensor gl = grad_lse_.defined() ? grad_lse_.to(acc_type).contiguous() : at::zeros({m, B, T}, lse.options());
+  const at::Tensor gl = grad_lse_.defined() ? contiguous_as(grad_lse_, acc_type) : at::zeros({m, B, T}, lse.options());
   check_gradient_buffers("msar_read_backward: grad_sources", gx, N, {B, T, d}, acc_type);  // added into
   const TileGroups tiles = tile_groups(B, T, K);  // one partial sum of ∂q and ∂c per group
   at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, options.dtype(acc_type));
@@ -489,7 +489,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
   const FuseArgs A = check_fuse(out_, lse_, queries, partial, partial_conv, w_pre, b_pre, alpha_pre, context);
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, Tx = A.Tx, d = A.d, K = A.K, P = B * T;
-  const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
+  const at::Tensor o = out_.contiguous(), lse = contiguous_as(lse_, acc_type), q = contiguous_as(queries, acc_type);
   const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths);
   const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
   const std::vector<int64_t>& used = in.used;
@@ -571,8 +571,8 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
   const auto acc_type = acc_type_of(out_);
   const int64_t m = A.m, B = A.B, T = A.T, d = A.d, K = A.K, P = B * T, L = m - 1;
   const auto acc_opts = out_.options().dtype(acc_type);
-  const at::Tensor g = grad_.defined() ? grad_.to(out_.scalar_type()).contiguous() : at::zeros({B, T, d}, out_.options());
-  const at::Tensor o = out_.contiguous(), lse = lse_.to(acc_type).contiguous(), q = queries.to(acc_type).contiguous();
+  const at::Tensor g = grad_.defined() ? contiguous_as(grad_, out_.scalar_type()) : at::zeros({B, T, d}, out_.options());
+  const at::Tensor o = out_.contiguous(), lse = contiguous_as(lse_, acc_type), q = contiguous_as(queries, acc_type);
   const FuseInputs in = fuse_inputs(A, out_.scalar_type(), acc_type, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths);
   const at::Tensor &x = in.x, &c = in.c, &W = in.W, &bias = in.bias;
   const std::vector<int64_t>& used = in.used;
