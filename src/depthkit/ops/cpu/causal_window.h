@@ -304,11 +304,6 @@ inline at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType type) {
   return t.scalar_type() == type ? t.contiguous() : t.to(type).contiguous();
 }
 
-// Taps [..., d, K] → [..., K, d] in the accumulation type (small: parameters).
-inline at::Tensor taps_kd(const at::Tensor& conv, at::ScalarType acc) {
-  return conv.to(acc).transpose(-1, -2).contiguous();
-}
-
 // One bank's taps p [L, d, K] → o [L, K, d], kernel r's first lengths[r] taps transposed and the
 // rest (padding, which no kernel reads: taps_used stops before it) zero.
 template <class acc_t, class scalar_t>
@@ -366,7 +361,7 @@ inline std::vector<int64_t> taps_used(const at::Tensor& taps_kd, const std::vect
   const int64_t K = taps_kd.size(-2), d = taps_kd.size(-1), L = int64_t(lengths.size());
   std::vector<int64_t> used(size_t(taps_kd.numel() / std::max<int64_t>(K * d, 1)), 0);
   AT_DISPATCH_FLOATING_TYPES(taps_kd.scalar_type(), "taps_used", [&] {
-    const scalar_t* c = taps_kd.const_data_ptr<scalar_t>();  // contiguous (taps_kd)
+    const scalar_t* c = taps_kd.const_data_ptr<scalar_t>();  // contiguous (stacked_taps_kd)
     for (size_t k = 0; k < used.size(); ++k)
       for (int64_t delta = lengths[k % size_t(L)] - 1; delta >= 0 && used[k] == 0; --delta) {
         const scalar_t* row = c + (int64_t(k) * K + delta) * d;

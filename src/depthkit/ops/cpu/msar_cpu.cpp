@@ -47,7 +47,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
