@@ -58,6 +58,7 @@
 
 #include "depthkit/ops/cpu/causal_window.h"
 #include "depthkit/ops/cpu/kernel_math.h"
+#include "depthkit/ops/cpu/row_blocks.h"
 #include "depthkit/util/error.h"
 
 namespace depthkit::cpu {
@@ -67,20 +68,6 @@ namespace {
 inline int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
 static_assert(kTile % 4 == 0, "the H_pre products run blocks of 4 tokens within a tile");
 
-// One stream's merge with the partial's expansion v (A.8–A.10), shared by msar_fuse and its
-// backward: a = s (q_r · v) with s = 1/rms(v), λ = σ(ζ_r − a), z = λ out_r + (1 − λ) v.
-// Returns (s, q_r · v, λ), which the backward keeps.
-template <class acc_t, class scalar_t>
-std::tuple<acc_t, acc_t, acc_t> merge_stream(acc_t* z, const scalar_t* out, const acc_t* v, const acc_t* q, acc_t lse,
-                                             int64_t d, double eps) {
-  const auto [ss, qv] = square_and_dot<acc_t>(v, q, d);
-  const acc_t s = inv_rms<acc_t>(ss, d, eps);
-  const acc_t lambda = acc_t(1) / (acc_t(1) + std::exp(s * qv - lse));  // (A.8, A.9)
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) z[i] = lambda * acc_t(out[i]) + (acc_t(1) - lambda) * v[i];  // (A.10)
-  return {s, qv, lambda};
-}
-
 // The H_pre gates of a tile's tokens, as small matrix products over the tile (eq. 13): the merged
 // streams Z [rows, m·d] (a token's m streams side by side), W_pre padded to m4 rows (a multiple of
 // 4; the rows past m are zero) and the per-token coefficients U [rows, m4]. rows is a multiple of 4
@@ -88,16 +75,6 @@ std::tuple<acc_t, acc_t, acc_t> merge_stream(acc_t* z, const scalar_t* out, cons
 // product runs in register blocks of 4 tokens × 4 rows of W_pre, so that a row of W_pre (m·d
 // values) is read once per 4 tokens and a row of ∂W_pre updated in memory once per tile, where a
 // token at a time reads all of W_pre and updates all of ∂W_pre per token.
-template <class acc_t>
-using Vec = typename Reg<acc_t>::type;
-
-template <class acc_t>
-inline acc_t lane_sum(const Vec<acc_t>& v) {
-  acc_t s = 0;
-  for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) s += v[l];
-  return s;
-}
-
 // Y [rows, m4] = Z · W_preᵀ: y_{t,j} = W_j · z_t.
 template <class acc_t>
 void gate_logits(acc_t* Y, const acc_t* Z, const acc_t* W, int64_t rows, int64_t m4, int64_t n) {
@@ -176,15 +153,14 @@ void add_gate_weights_grad(acc_t* gW, const acc_t* U, const acc_t* Z, int64_t ro
 }
 
 // The H_pre gates of a tile's nt tokens (eq. 13), shared by msar_fuse and its backward: per token
-// S = 1/rms(z) over its m·d entries, y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes S [rows] and
+// S = 1/rms(z) over its m·d entries (from zz, its Σ z², merge_tile), y_j = W_j · z, π_j = σ(α S y_j + b_j). Writes S [rows] and
 // y [rows, m4] (rows = nt rounded up to 4) and π [nt, m4] (its first m columns); the backward needs all three.
 template <class acc_t>
-void hpre_gates(acc_t* S, acc_t* y, acc_t* pre, const acc_t* Z, const acc_t* W4, const acc_t* b, acc_t alpha,
-                int64_t nt, int64_t m, int64_t m4, int64_t md, double eps) {
+void hpre_gates(acc_t* S, acc_t* y, acc_t* pre, const acc_t* Z, const acc_t* zz, const acc_t* W4, const acc_t* b,
+                acc_t alpha, int64_t nt, int64_t m, int64_t m4, int64_t md, double eps) {
   gate_logits(y, Z, W4, round_up4(nt), m4, md);
   for (int64_t t = 0; t < nt; ++t) {
-    const acc_t* z = Z + t * md;
-    S[t] = inv_rms<acc_t>(dot<acc_t>(z, z, md), md, eps);
+    S[t] = inv_rms<acc_t>(zz[t], md, eps);
     for (int64_t j = 0; j < m; ++j) pre[t * m4 + j] = sigmoid(alpha * S[t] * y[t * m4 + j] + b[j]);
   }
 }
@@ -203,6 +179,58 @@ const acc_t* stream_rows(acc_t* buf, const scalar_t* x0, const acc_t* taps, cons
   }
   expand_tile(buf, x0, taps + bank * K * d, used[bank], t0, nt, d);
   return buf;
+}
+
+// The merged streams of a tile's nt tokens (A.8–A.10), shared by msar_fuse and its backward, into
+// Z [nt, m·d] (a token's m streams side by side); out_r's rows of the tile at o + r·P·d, ζ_r's at
+// lse + r·P. With the partial (its row t0 at x0, banks [m − 1, K, d]): per stream r its expansion
+// (stream_rows, into V [m, tile, d]; rows[r] its rows) and the rows' (Σ v², q_r · v) in one
+// blocked pass (row_dots); then per token s = 1/rms(v), λ = σ(ζ_r − s (q_r · v)) and
+// z_r = λ out_r + (1 − λ) v, keeping s, q_r · v and λ at [r·tile + j] for the backward. Without it,
+// z_r = out_r. zz [nt]: each token's Σ z² over its m·d entries, for the fusion's rms (eq. 13).
+template <class acc_t, class scalar_t>
+void merge_tile(acc_t* Z, acc_t* zz, acc_t* s, acc_t* qv, acc_t* lam, const acc_t** rows, acc_t* V, int64_t tile,
+                const scalar_t* o, const acc_t* lse, int64_t P, const acc_t* q, const scalar_t* x0, const acc_t* taps,
+                const std::vector<int64_t>& used, int64_t K, int64_t t0, int64_t nt, int64_t m, int64_t d, double eps) {
+  const int64_t md = m * d;
+  std::fill_n(zz, nt, acc_t(0));
+  for (int64_t r = 0; r < m; ++r) {
+    const scalar_t* o_r = o + r * P * d;
+    if (x0 == nullptr) {  // a block's first branch: z_r = out_r
+      for (int64_t j = 0; j < nt; ++j) {
+        acc_t* z = Z + j * md + r * d;
+        const scalar_t* oj = o_r + j * d;
+        acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < d; ++i) {
+          z[i] = acc_t(oj[i]);
+          sum += z[i] * z[i];
+        }
+        zz[j] += sum;
+      }
+      continue;
+    }
+    const acc_t* v = rows[r] = stream_rows(V + r * tile * d, x0, taps, used, r - 1, r, K, t0, nt, d);
+    acc_t* ss = s + r * tile;  // (Σ v², then s: the tile's rows of stream r, before they go to [j·m + r])
+    acc_t* dots = qv + r * tile;
+    row_dots<false>(ss, dots, static_cast<acc_t*>(nullptr), v, q + r * d, static_cast<const acc_t*>(nullptr), nt, d);
+    for (int64_t j = 0; j < nt; ++j) {
+      const acc_t sj = inv_rms<acc_t>(ss[j], d, eps);
+      const acc_t l = acc_t(1) / (acc_t(1) + std::exp(sj * dots[j] - lse[r * P + j]));  // (A.8, A.9)
+      ss[j] = sj;
+      lam[r * tile + j] = l;
+      acc_t* z = Z + j * md + r * d;
+      const scalar_t* oj = o_r + j * d;
+      const acc_t* vj = v + j * d;
+      acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) {
+        z[i] = l * acc_t(oj[i]) + (acc_t(1) - l) * vj[i];  // (A.10)
+        sum += z[i] * z[i];
+      }
+      zz[j] += sum;
+    }
+  }
 }
 
 void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c, int64_t context = 0) {
@@ -325,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
     // (A tile of at most the positions read: a decoding step's buffers hold its one position.)
     const int64_t tile = std::min(kTile, To), tiles = (To + tile - 1) / tile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> E(N * tile * d), a(N * tile), u(d);
+      std::vector<acc_t> E(N * tile * d), a(N * tile), ss(tile), w(N);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the tile: in E, or the source itself
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = context + (c % tiles) * tile, nt = std::min(T, t0 + tile) - t0;
@@ -333,24 +361,16 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
             rows[n] = stream_rows(E.data() + n * tile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
-            for (int64_t j = 0; j < nt; ++j) {
-              const auto [ss, qv] = square_and_dot<acc_t>(rows[n] + j * d, qr, d);
-              a[n * tile + j] = qv * inv_rms<acc_t>(ss, d, eps);  // (A.1)
-            }
+            acc_t* an = a.data() + n * tile;
+            row_dots<false>(ss.data(), an, static_cast<acc_t*>(nullptr), rows[n], qr, static_cast<const acc_t*>(nullptr), nt, d);
+            for (int64_t j = 0; j < nt; ++j) an[j] *= inv_rms<acc_t>(ss[j], d, eps);  // (A.1)
           }
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t p = b * To + t0 - context + j;
             acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
             for (int64_t n = 0; n < N; ++n) mx = std::max(mx, a[n * tile + j]);  // (A.2)
-            std::fill(u.begin(), u.end(), acc_t(0));
-            for (int64_t n = 0; n < N; ++n) {
-              const acc_t w = std::exp(a[n * tile + j] - mx);
-              Z += w;                                        // (A.3)
-              axpy(u.data(), w, rows[n] + j * d, d);  // (A.4)
-            }
-            scalar_t* o = op + (r * P + p) * d;
-            const acc_t inv = acc_t(1) / Z;
-            for (int64_t i = 0; i < d; ++i) o[i] = scalar_t(u[i] * inv);  // (A.5)
+            for (int64_t n = 0; n < N; ++n) Z += w[n] = std::exp(a[n * tile + j] - mx);  // (A.3)
+            weighted_row_sum(op + (r * P + p) * d, w.data(), 1, rows.data(), j * d, N, acc_t(1) / Z, d);  // (A.4, A.5)
             lp[r * P + p] = mx + std::log(Z);
           }
         }
@@ -404,7 +424,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
       // streams (add_rows).
       const int64_t gx_rows = kTile + pad;
       std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * kTile),
-          qv(N * kTile), w(N * kTile), gdotv(N * kTile), g_out(kTile);
+          qv(N * kTile), w(N * kTile), gdotv(N * kTile), g_out(kTile), beta(kTile), gamma(kTile);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the sub-tile (stream_rows)
       acc_t* dv0 = DV.data() + pad * d;
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
@@ -416,13 +436,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
           for (int64_t n = 0; n < N; ++n) {
             const acc_t* Vn = rows[n] =
                 stream_rows(V.data() + n * kTile * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
+            const int64_t p0 = b * T + u0;
+            row_dots<true>(s.data() + n * kTile, qv.data() + n * kTile, gdotv.data() + n * kTile, Vn, qr,
+                           gop + (r * P + p0) * d, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
-              const int64_t p = b * T + u0 + j, k = n * kTile + j;
-              const auto [ss, qvn, gv] = square_and_two_dots<acc_t>(Vn + j * d, qr, gop + (r * P + p) * d, d);
-              s[k] = inv_rms<acc_t>(ss, d, eps);
-              qv[k] = qvn;
-              w[k] = std::exp(s[k] * qv[k] - lp[r * P + p]);
-              gdotv[k] = gv;
+              const int64_t k = n * kTile + j;
+              s[k] = inv_rms<acc_t>(s[k], d, eps);  // (Σ v² until here)
+              w[k] = std::exp(s[k] * qv[k] - lp[r * P + p0 + j]);
             }
           }
           for (int64_t j = 0; j < nt; ++j) {  // g · out = Σ_n w_n (g · v_n)
@@ -431,32 +451,22 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             g_out[j] = go_j;
           }
           for (int64_t n = 0; n < N; ++n) {
-            const acc_t* Vn = rows[n];
-            acc_t* gqr = gq + r * d;
+            // Per token: ∂a, then ∂v = w g + ∂a s q − ∂a s³ (q·v) v / d, and ∂q in the same pass
+            // over v (key_grads). The identity stream's ∂v is ∂x's share itself: added to GX
+            // directly (its transpose is the identity).
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * kTile + j;
-              const scalar_t* g = gop + (r * P + p) * d;
-              const acc_t* v = Vn + j * d;
               const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
-              const acc_t ds = da * s[k], c_v = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d), wn = w[k];
-              // ∂v, and ∂q in the same pass over v. The identity stream's ∂v is ∂x's share itself:
-              // added to GX directly (its transpose is the identity).
-              if (r == 0) {
-                acc_t* gx = GX.data() + (n * gx_rows + pad + j) * d;
-#pragma omp simd
-                for (int64_t i = 0; i < d; ++i) {
-                  gx[i] += wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
-                  gqr[i] += ds * v[i];
-                }
-              } else {
-                acc_t* dv = dv0 + j * d;
-#pragma omp simd
-                for (int64_t i = 0; i < d; ++i) {
-                  dv[i] = wn * acc_t(g[i]) + ds * qr[i] - c_v * v[i];
-                  gqr[i] += ds * v[i];
-                }
-              }
+              beta[j] = da * s[k];
+              gamma[j] = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d);
             }
+            const acc_t *Vn = rows[n], *wn = w.data() + n * kTile;
+            const scalar_t* g0 = gop + (r * P + b * T + u0) * d;
+            if (r == 0)
+              key_grads<true>(GX.data() + (n * gx_rows + pad) * d, gq + r * d, Vn, g0, d, qr, wn, beta.data(),
+                              gamma.data(), nt, d);
+            else
+              key_grads<false>(dv0, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
             if (r == 0) continue;
             const int64_t bank = n * L + r - 1;
             expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
@@ -514,37 +524,22 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
                   m4 = round_up4(m);
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
       std::vector<acc_t> V(A.partial ? m * tile * d : 0), Z(rows4 * md, acc_t(0)), pre(rows4 * m4), y(rows4 * m4),
-          S(tile), hacc(d);
+          S(tile), zz(tile), sv(m * tile), qv(m * tile), lam(m * tile);
+      std::vector<const acc_t*> rows(m), zrows(m);
+      for (int64_t r = 0; r < m; ++r) zrows[r] = Z.data() + r * d;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = Tx - T + (c % tiles) * tile, nt = std::min(Tx, t0 + tile) - t0;
-        for (int64_t r = 0; A.partial && r < m; ++r)
-          expand_tile(V.data() + r * tile * d, xp + (b * Tx + t0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
-                      r == 0 ? 1 : used[r - 1], t0, nt, d);
         std::fill(Z.begin() + nt * md, Z.begin() + round_up4(nt) * md, acc_t(0));  // (a shorter last tile)
         const int64_t p0 = b * T + t0 - (Tx - T);  // the tile's first position in out, ζ and h
-        for (int64_t j = 0; j < nt; ++j) {
-          const int64_t p = p0 + j;
-          for (int64_t r = 0; r < m; ++r) {
-            const scalar_t* o_r = op + (r * P + p) * d;
-            acc_t* z_r = Z.data() + j * md + r * d;
-            if (!A.partial) {
-              for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
-              continue;
-            }
-            merge_stream(z_r, o_r, V.data() + (r * tile + j) * d, qp + r * d, lp[r * P + p], d, eps);
-          }
-        }
+        merge_tile(Z.data(), zz.data(), sv.data(), qv.data(), lam.data(), rows.data(), V.data(), tile, op + p0 * d,
+                   lp + p0, P, qp, A.partial ? xp + (b * Tx + t0) * d : nullptr, cp, used, K, t0, nt, m, d, eps);
         if (A.hpre) {
-          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), Wp, bp, acc_t(alpha), nt, m, m4, md, eps);  // eq. 13
+          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), zz.data(), Wp, bp, acc_t(alpha), nt, m, m4, md, eps);  // eq. 13
         } else {
           std::fill(pre.begin(), pre.end(), acc_t(1) / acc_t(m));  // mean fusion
         }
-        for (int64_t j = 0; j < nt; ++j) {
-          std::fill(hacc.begin(), hacc.end(), acc_t(0));
-          for (int64_t r = 0; r < m; ++r) axpy(hacc.data(), pre[j * m4 + r], Z.data() + j * md + r * d, d);  // eq. 14
-          scalar_t* h_p = hp + (p0 + j) * d;
-          for (int64_t i = 0; i < d; ++i) h_p[i] = scalar_t(hacc[i]);
-        }
+        for (int64_t j = 0; j < nt; ++j)  // eq. 14
+          weighted_row_sum(hp + (p0 + j) * d, pre.data() + j * m4, 1, zrows.data(), j * md, m, acc_t(1), d);
       }
     });
   };
@@ -613,42 +608,35 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       const int64_t m4 = round_up4(m);
       std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)),
           GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
-          qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0));
+          qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0)), zz(kTile),
+          zsq(m), gz(m), keep(kTile), beta(kTile), gamma(kTile);
+      std::vector<const acc_t*> vrows(m);  // the partial's expansions, per stream (merge_tile)
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0, nt4 = round_up4(nt);
         for (int64_t r = 0; A.partial && r < m; ++r) {
-          expand_tile(V.data() + r * kTile * d, xp + (b * T + u0) * d, r == 0 ? nullptr : cp + (r - 1) * K * d,
-                      r == 0 ? 1 : used[r - 1], u0, nt, d);
           acc_t* dv0 = DV.data() + (r * rows + pad) * d;
           std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         }
         std::fill(Z.begin() + nt * md, Z.begin() + nt4 * md, acc_t(0));  // (a shorter last sub-tile)
         // Recompute the merge (A.8–A.10).
-        for (int64_t j = 0; j < nt; ++j) {
-          const int64_t p = b * T + u0 + j;
-          for (int64_t r = 0; r < m; ++r) {
-            const scalar_t* o_r = op + (r * P + p) * d;
-            acc_t* z_r = Z.data() + j * md + r * d;
-            if (!A.partial) {
-              for (int64_t i = 0; i < d; ++i) z_r[i] = acc_t(o_r[i]);
-              continue;
-            }
-            std::tie(s[j * m + r], qv[j * m + r], lam[j * m + r]) =
-                merge_stream(z_r, o_r, V.data() + (r * kTile + j) * d, qp + r * d, lp[r * P + p], d, eps);
-          }
-        }
+        const int64_t p0 = b * T + u0;
+        merge_tile(Z.data(), zz.data(), s.data(), qv.data(), lam.data(), vrows.data(), V.data(), kTile, op + p0 * d,
+                   lp + p0, P, qp, A.partial ? xp + p0 * d : nullptr, cp, used, K, u0, nt, m, d, eps);
         // Fusion backward (eq. 13–14) → ∂Z. With u_j = (g·z_j) π_j (1 − π_j):
         // ∂z = π ⊙ g + α S Σ_j u_j W_j − α S³ (Σ_j u_j y_j) z / (m d), ∂W_j += u_j α S z.
         if (A.hpre) {
-          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), Wp, bp, al, nt, m, m4, md, eps);  // eq. 13
+          hpre_gates(S.data(), y.data(), pre.data(), Z.data(), zz.data(), Wp, bp, al, nt, m, m4, md, eps);  // eq. 13
           for (int64_t j = 0; j < nt; ++j) {
             const scalar_t* g_p = gp + (b * T + u0 + j) * d;
             const acc_t* z = Z.data() + j * md;
             acc_t* u = U.data() + j * m4;
             acc_t uy = 0;
+            // g · z_k of the token's m streams in one pass over g (the squares are not used)
+            row_dots<false>(zsq.data(), gz.data(), static_cast<acc_t*>(nullptr), z, g_p,
+                            static_cast<const acc_t*>(nullptr), m, d);
             for (int64_t k = 0; k < m; ++k) {
               const acc_t pk = pre[j * m4 + k], yk = y[j * m4 + k];
-              const acc_t uk = dot<acc_t>(g_p, z + k * d, d) * pk * (acc_t(1) - pk);
+              const acc_t uk = gz[k] * pk * (acc_t(1) - pk);
               gb[k] += uk;
               gb[m] += uk * S[j] * yk;
               uy += uk * yk;
@@ -673,35 +661,40 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
               for (int64_t i = 0; i < d; ++i) dZ[j * md + r * d + i] = acc_t(g_p[i]) / acc_t(m);
           }
         }
-        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps.
-        for (int64_t j = 0; j < nt; ++j) {
-          const int64_t p = b * T + u0 + j;
-          for (int64_t r = 0; r < m; ++r) {
-            const acc_t* dz_r = dZ.data() + j * md + r * d;
-            acc_t* go_r = gop + (r * P + p) * d;
-            if (!A.partial) {
-              for (int64_t i = 0; i < d; ++i) go_r[i] = dz_r[i];
-              glp[r * P + p] = 0;
-              continue;
+        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps, per stream over the sub-tile.
+        for (int64_t r = 0; r < m; ++r) {
+          const acc_t* dz0 = dZ.data() + r * d;  // token j's ∂z_r at j·m·d
+          acc_t* go0 = gop + (r * P + p0) * d;
+          if (!A.partial) {
+            for (int64_t j = 0; j < nt; ++j) {
+              std::copy_n(dz0 + j * md, d, go0 + j * d);
+              glp[r * P + p0 + j] = 0;
             }
-            const scalar_t* o_r = op + (r * P + p) * d;
-            const acc_t* v = V.data() + (r * kTile + j) * d;
-            acc_t* dv = DV.data() + (r * rows + pad + j) * d;
-            const acc_t l = lam[j * m + r], sr = s[j * m + r];
-            // ∂z · ∂z/∂λ = ∂z · (out − v)
-            const acc_t dlambda = dot<acc_t>(dz_r, o_r, d) - dot<acc_t>(dz_r, v, d);
-            const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
-            glp[r * P + p] = dzeta;
-            const acc_t da = -dzeta, ds = da * sr, c_v = da * sr * sr * sr * qv[j * m + r] / acc_t(d);
-            const acc_t* qr = qp + r * d;
-            acc_t* gqr = gq + r * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) {
-              go_r[i] = l * dz_r[i];
-              dv[i] = (acc_t(1) - l) * dz_r[i] + ds * qr[i] - c_v * v[i];
-              gqr[i] += ds * v[i];
-            }
+            continue;
           }
+          const scalar_t* o0 = op + (r * P + p0) * d;
+          const acc_t* v0 = vrows[r];
+          for (int64_t j = 0; j < nt; ++j) {
+            const acc_t *dz = dz0 + j * md, *v = v0 + j * d;
+            const scalar_t* o = o0 + j * d;
+            acc_t* go = go0 + j * d;
+            const acc_t l = lam[r * kTile + j], sr = s[r * kTile + j];
+            acc_t dlambda = 0;  // ∂z · ∂z/∂λ = ∂z · (out − v), and ∂out = λ ∂z in the same pass
+#pragma omp simd reduction(+ : dlambda)
+            for (int64_t i = 0; i < d; ++i) {
+              dlambda += dz[i] * (acc_t(o[i]) - v[i]);
+              go[i] = l * dz[i];
+            }
+            const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
+            glp[r * P + p0 + j] = dzeta;
+            const acc_t da = -dzeta;
+            keep[j] = acc_t(1) - l;
+            beta[j] = da * sr;
+            gamma[j] = da * sr * sr * sr * qv[r * kTile + j] / acc_t(d);
+          }
+          // ∂v = (1 − λ) ∂z + ∂a s q − ∂a s³ (q·v) v / d, and ∂q, in one blocked pass
+          key_grads<false>(DV.data() + (r * rows + pad) * d, gq + r * d, v0, dz0, md, qp + r * d, keep.data(),
+                           beta.data(), gamma.data(), nt, d);
         }
         if (!A.partial) continue;
         std::fill(GX.begin(), GX.end(), acc_t(0));

@@ -1,0 +1,160 @@
+// The per-token passes of the MSAR kernels (ops/cpu/msar_cpu.cpp) over rows of d values, in
+// register blocks of J rows: the scores' sums (Σ v², q · v, g · v), a weighted sum of rows (the
+// depth softmax's value, eq. A.4–A.5; the H_pre fusion, eq. 14), and the key/value gradient of a
+// row with the shared vector's gradient (∂v, ∂q). A row at a time, each of these reads the shared
+// vector (q, its gradient, or the running sum) from memory once per row: a multiply-add then costs
+// two loads (and a store when the sum is in memory), where in a block of J rows the shared
+// register serves J rows and the sums stay in registers. Beside causal_window.h, whose registers
+// (Reg, load) and row blocks (kRows) these use.
+#pragma once
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "depthkit/ops/cpu/causal_window.h"
+
+namespace depthkit::cpu {
+
+template <class acc_t>
+using Vec = typename Reg<acc_t>::type;
+
+template <class acc_t>
+inline acc_t lane_sum(const Vec<acc_t>& v) {
+  acc_t s = 0;
+  for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) s += v[l];
+  return s;
+}
+
+// A register to memory in the storage type (bfloat16: rounded to nearest even, as its conversion).
+template <class S, class acc_t>
+inline void store(S* p, const Vec<acc_t>& v) {
+  if constexpr (std::is_same_v<S, acc_t>) {
+    std::memcpy(p, &v, sizeof v);
+  } else {
+    for (int64_t l = 0; l < Reg<acc_t>::lanes; ++l) p[l] = S(v[l]);
+  }
+}
+
+// Per row j < J of v (rows d apart): ss_j = v_j · v_j, qv_j = q · v_j and, with GRAD, gv_j = g_j · v_j
+// (g's rows d apart; without GRAD, g and gv are not read).
+template <int64_t J, bool GRAD, class acc_t, class X, class Q, class G>
+inline void row_dots_block(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* g, int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t n = Reg<acc_t>::lanes;
+  V s[J] = {}, a[J] = {}, c[J] = {};
+  int64_t i = 0;
+  for (; i + n <= d; i += n) {
+    const V qi = load<acc_t>(q + i);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < J; ++j) {
+      const V x = load<acc_t>(v + j * d + i);
+      s[j] += x * x;
+      a[j] += x * qi;
+      if constexpr (GRAD) c[j] += x * load<acc_t>(g + j * d + i);
+    }
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    acc_t sj = lane_sum<acc_t>(s[j]), aj = lane_sum<acc_t>(a[j]), cj = GRAD ? lane_sum<acc_t>(c[j]) : acc_t(0);
+    for (int64_t k = i; k < d; ++k) {
+      const acc_t x = acc_t(v[j * d + k]);
+      sj += x * x;
+      aj += x * acc_t(q[k]);
+      if constexpr (GRAD) cj += x * acc_t(g[j * d + k]);
+    }
+    ss[j] = sj;
+    qv[j] = aj;
+    if constexpr (GRAD) gv[j] = cj;
+  }
+}
+
+// row_dots_block over `rows` rows: blocks of kRows, then of 4, then single rows.
+template <bool GRAD, class acc_t, class X, class Q, class G>
+void row_dots(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* g, int64_t rows, int64_t d) {
+  int64_t j = 0;
+  auto block = [&](auto J) {
+    row_dots_block<decltype(J)::value, GRAD>(ss + j, qv + j, GRAD ? gv + j : nullptr, v + j * d, q,
+                                             GRAD ? g + j * d : g, d);
+    j += decltype(J)::value;
+  };
+  while (j + kRows <= rows) block(std::integral_constant<int64_t, kRows>{});
+  while (j + 4 <= rows) block(std::integral_constant<int64_t, 4>{});
+  while (j < rows) block(std::integral_constant<int64_t, 1>{});
+}
+
+// o = scale · Σ_{n<N} w[n · w_stride] x_n over d, x_n = rows[n] + offset: the sum in registers,
+// so that each row is read once and o written once (a running sum in memory costs a load and a
+// store of it per row).
+template <class acc_t, class scalar_t, class X>
+void weighted_row_sum(scalar_t* o, const acc_t* w, int64_t w_stride, const X* const* rows, int64_t offset, int64_t N,
+                      acc_t scale, int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t n = Reg<acc_t>::lanes, R = 4;  // four registers of d per pass
+  int64_t i = 0;
+  for (; i + R * n <= d; i += R * n) {
+    V acc[R] = {};
+    for (int64_t k = 0; k < N; ++k) {
+      const acc_t wk = w[k * w_stride];
+      const X* x = rows[k] + offset + i;
+#pragma GCC unroll 4
+      for (int64_t e = 0; e < R; ++e) acc[e] += wk * load<acc_t>(x + e * n);
+    }
+#pragma GCC unroll 4
+    for (int64_t e = 0; e < R; ++e) store<scalar_t, acc_t>(o + i + e * n, acc[e] * scale);
+  }
+  for (; i < d; ++i) {
+    acc_t acc = 0;
+    for (int64_t k = 0; k < N; ++k) acc += w[k * w_stride] * acc_t(rows[k][offset + i]);
+    o[i] = scalar_t(acc * scale);
+  }
+}
+
+// Per row j < J (rows of v and out d apart, of g gs apart): out_j (ADD: +=) α_j g_j + β_j q − γ_j v_j, and
+// gq += Σ_j β_j v_j: the gradient of a key-normalised candidate v, whose score is s (q · v), with
+// β = ∂a s and γ = ∂a s³ (q · v) / d (∂/∂v of s (q · v)), plus α g from its value; gq (the
+// query's gradient) is loaded and stored once per J rows.
+template <int64_t J, bool ADD, class acc_t, class G>
+inline void key_grads_block(acc_t* out, acc_t* gq, const acc_t* v, const G* g, int64_t gs, const acc_t* q,
+                            const acc_t* alpha, const acc_t* beta, const acc_t* gamma, int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t n = Reg<acc_t>::lanes;
+  int64_t i = 0;
+  for (; i + n <= d; i += n) {
+    const V qi = load<acc_t>(q + i);
+    V gqi = load<acc_t>(gq + i);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < J; ++j) {
+      const V x = load<acc_t>(v + j * d + i);
+      V o = alpha[j] * load<acc_t>(g + j * gs + i) + beta[j] * qi - gamma[j] * x;
+      if constexpr (ADD) o += load<acc_t>(out + j * d + i);
+      std::memcpy(out + j * d + i, &o, sizeof o);
+      gqi += beta[j] * x;
+    }
+    std::memcpy(gq + i, &gqi, sizeof gqi);
+  }
+  for (; i < d; ++i)
+    for (int64_t j = 0; j < J; ++j) {
+      const acc_t x = v[j * d + i];
+      const acc_t o = alpha[j] * acc_t(g[j * gs + i]) + beta[j] * q[i] - gamma[j] * x;
+      out[j * d + i] = ADD ? out[j * d + i] + o : o;
+      gq[i] += beta[j] * x;
+    }
+}
+
+// key_grads_block over `rows` rows: blocks of kRows, then of 4, then single rows.
+template <bool ADD, class acc_t, class G>
+void key_grads(acc_t* out, acc_t* gq, const acc_t* v, const G* g, int64_t gs, const acc_t* q, const acc_t* alpha,
+               const acc_t* beta, const acc_t* gamma, int64_t rows, int64_t d) {
+  int64_t j = 0;
+  auto block = [&](auto J) {
+    key_grads_block<decltype(J)::value, ADD>(out + j * d, gq, v + j * d, g + j * gs, gs, q, alpha + j, beta + j,
+                                             gamma + j, d);
+    j += decltype(J)::value;
+  };
+  while (j + kRows <= rows) block(std::integral_constant<int64_t, kRows>{});
+  while (j + 4 <= rows) block(std::integral_constant<int64_t, 4>{});
+  while (j < rows) block(std::integral_constant<int64_t, 1>{});
+}
+
+}  // namespace depthkit::cpu
