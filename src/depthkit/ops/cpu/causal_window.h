@@ -263,15 +263,15 @@ void add_rows(acc_t* gx0, const acc_t* local, int64_t K, int64_t t0, int64_t t1,
 constexpr int64_t kGroupTokens = 256;
 
 struct TileGroups {
-  int64_t tile;    // tokens per tile, ≥ K − 1 and ≥ kTile
+  int64_t tile;    // tokens per tile, ≥ K − 1 and ≥ the kernel's tile (kTile unless it asks for more)
   int64_t tiles;   // tiles per batch row
   int64_t count;   // B · tiles
   int64_t per_group, groups;
 };
 
-inline TileGroups tile_groups(int64_t B, int64_t T, int64_t K) {
+inline TileGroups tile_groups(int64_t B, int64_t T, int64_t K, int64_t min_tile = kTile) {
   TileGroups g;
-  g.tile = std::max<int64_t>(K - 1, kTile);
+  g.tile = std::max<int64_t>(K - 1, min_tile);
   g.tiles = (T + g.tile - 1) / g.tile;
   g.count = B * g.tiles;
   g.per_group = std::max<int64_t>(1, kGroupTokens / g.tile);

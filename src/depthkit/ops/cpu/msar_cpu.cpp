@@ -66,6 +66,12 @@ namespace depthkit::cpu {
 namespace {
 
 inline int64_t round_up4(int64_t n) { return (n + 3) / 4 * 4; }
+// The read backward's sub-tile: twice kTile. Its transposes reach K − 1 rows past either end of a
+// sub-tile with zero rows of ∂v, work that is a smaller share of a longer one (at κ = 12 and 32
+// tokens about a third of ∂x's multiply-adds; measured 10 % faster at 64 on the 0.1B width). Its
+// buffers hold one stream of the N sources, where the fusion's hold all m streams of a token:
+// those stay at kTile.
+constexpr int64_t kReadBackTile = 2 * kTile;
 static_assert(kTile % 4 == 0, "the H_pre products run blocks of 4 tokens within a tile");
 
 // The H_pre gates of a tile's tokens, as small matrix products over the tile (eq. 13): the merged
@@ -197,17 +203,8 @@ void merge_tile(acc_t* Z, acc_t* zz, acc_t* s, acc_t* qv, acc_t* lam, const acc_
   for (int64_t r = 0; r < m; ++r) {
     const scalar_t* o_r = o + r * P * d;
     if (x0 == nullptr) {  // a block's first branch: z_r = out_r
-      for (int64_t j = 0; j < nt; ++j) {
-        acc_t* z = Z + j * md + r * d;
-        const scalar_t* oj = o_r + j * d;
-        acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < d; ++i) {
-          z[i] = acc_t(oj[i]);
-          sum += z[i] * z[i];
-        }
-        zz[j] += sum;
-      }
+      for (int64_t j = 0; j < nt; ++j)
+        zz[j] += mix_row(Z + j * md + r * d, o_r + j * d, static_cast<const acc_t*>(nullptr), acc_t(1), d);
       continue;
     }
     const acc_t* v = rows[r] = stream_rows(V + r * tile * d, x0, taps, used, r - 1, r, K, t0, nt, d);
@@ -219,16 +216,7 @@ void merge_tile(acc_t* Z, acc_t* zz, acc_t* s, acc_t* qv, acc_t* lam, const acc_
       const acc_t l = acc_t(1) / (acc_t(1) + std::exp(sj * dots[j] - lse[r * P + j]));  // (A.8, A.9)
       ss[j] = sj;
       lam[r * tile + j] = l;
-      acc_t* z = Z + j * md + r * d;
-      const scalar_t* oj = o_r + j * d;
-      const acc_t* vj = v + j * d;
-      acc_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < d; ++i) {
-        z[i] = l * acc_t(oj[i]) + (acc_t(1) - l) * vj[i];  // (A.10)
-        sum += z[i] * z[i];
-      }
-      zz[j] += sum;
+      zz[j] += mix_row(Z + j * md + r * d, o_r + j * d, v + j * d, l, d);  // (A.10)
     }
   }
 }
@@ -400,7 +388,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
   const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, options);
   const at::Tensor gl = grad_lse_.defined() ? contiguous_as(grad_lse_, acc_type) : at::zeros({m, B, T}, lse.options());
   check_gradient_buffers("msar_read_backward: grad_sources", gx, N, {B, T, d}, acc_type);  // added into
-  const TileGroups tiles = tile_groups(B, T, K);  // one partial sum of ∂q and ∂c per group
+  constexpr int64_t sub = kReadBackTile;
+  const TileGroups tiles = tile_groups(B, T, K, sub);  // one partial sum of ∂q and ∂c per group
   at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, options.dtype(acc_type));
   at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, options.dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
@@ -418,36 +407,36 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
     for_each_tile(tiles, T, [&](int64_t b, int64_t t0, int64_t t1, int64_t group) {
       acc_t* gq = gq_all + group * m * d;
       acc_t* gc = gc_all + group * N * L * K * d;
-      // Per sub-tile of kTile tokens and stream r: the expansions of all sources V [N, kTile, d],
+      // Per sub-tile of `sub` tokens and stream r: the expansions of all sources V [N, sub, d],
       // per (n, t) s, q·v, w, g·v and per t g·out; then per source ∂v of the tile and its transpose.
       // ∂x of the sub-tile and the pad rows before it, per source, is gathered in GX over the
       // streams (add_rows).
-      const int64_t gx_rows = kTile + pad;
-      std::vector<acc_t> V(N * kTile * d), DV((kTile + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * kTile),
-          qv(N * kTile), w(N * kTile), gdotv(N * kTile), g_out(kTile), beta(kTile), gamma(kTile);
+      const int64_t gx_rows = sub + pad;
+      std::vector<acc_t> V(N * sub * d), DV((sub + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * sub),
+          qv(N * sub), w(N * sub), gdotv(N * sub), g_out(sub), beta(sub), gamma(sub);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the sub-tile (stream_rows)
       acc_t* dv0 = DV.data() + pad * d;
-      for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
-        const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0;
+      for (int64_t u0 = t0; u0 < t1; u0 += sub) {
+        const int64_t u1 = std::min(t1, u0 + sub), nt = u1 - u0;
         std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         std::fill(GX.begin(), GX.end(), acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
             const acc_t* Vn = rows[n] =
-                stream_rows(V.data() + n * kTile * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
+                stream_rows(V.data() + n * sub * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
             const int64_t p0 = b * T + u0;
-            row_dots<true>(s.data() + n * kTile, qv.data() + n * kTile, gdotv.data() + n * kTile, Vn, qr,
+            row_dots<true>(s.data() + n * sub, qv.data() + n * sub, gdotv.data() + n * sub, Vn, qr,
                            gop + (r * P + p0) * d, nt, d);
             for (int64_t j = 0; j < nt; ++j) {
-              const int64_t k = n * kTile + j;
+              const int64_t k = n * sub + j;
               s[k] = inv_rms<acc_t>(s[k], d, eps);  // (Σ v² until here)
               w[k] = std::exp(s[k] * qv[k] - lp[r * P + p0 + j]);
             }
           }
           for (int64_t j = 0; j < nt; ++j) {  // g · out = Σ_n w_n (g · v_n)
             acc_t go_j = 0;
-            for (int64_t n = 0; n < N; ++n) go_j += w[n * kTile + j] * gdotv[n * kTile + j];
+            for (int64_t n = 0; n < N; ++n) go_j += w[n * sub + j] * gdotv[n * sub + j];
             g_out[j] = go_j;
           }
           for (int64_t n = 0; n < N; ++n) {
@@ -455,12 +444,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             // over v (key_grads). The identity stream's ∂v is ∂x's share itself: added to GX
             // directly (its transpose is the identity).
             for (int64_t j = 0; j < nt; ++j) {
-              const int64_t p = b * T + u0 + j, k = n * kTile + j;
+              const int64_t p = b * T + u0 + j, k = n * sub + j;
               const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
               beta[j] = da * s[k];
               gamma[j] = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d);
             }
-            const acc_t *Vn = rows[n], *wn = w.data() + n * kTile;
+            const acc_t *Vn = rows[n], *wn = w.data() + n * sub;
             const scalar_t* g0 = gop + (r * P + b * T + u0) * d;
             if (r == 0)
               key_grads<true>(GX.data() + (n * gx_rows + pad) * d, gq + r * d, Vn, g0, d, qr, wn, beta.data(),
@@ -599,24 +588,23 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       acc_t* gc = gq + n_q;
       acc_t* gW = gc + n_c;
       acc_t* gb = gW + n_w;  // [m], then α at gb[m]
-      // Per sub-tile of kTile tokens: the expansions of the partial V [m, kTile, d] (expand_tile);
-      // the merged streams Z [kTile, m·d] token by token; the fusion's backward for the sub-tile
-      // (its H_pre products in register blocks, hpre_gates) into ∂Z; then token by token the
-      // merge's backward with ∂v into DV [m, kTile + 2(K − 1), d] (K − 1 zero rows either side),
-      // and per stream the transpose (expand_backward_tile). ∂partial of the sub-tile and the pad
-      // rows before it is gathered in GX over the streams (add_rows).
+      // Per sub-tile of kTile tokens: the partial's expansions V [m, kTile, d] and the merged
+      // streams Z [kTile, m·d] (merge_tile); the fusion's backward for the sub-tile (its H_pre
+      // products in register blocks, hpre_gates) into ∂Z; then stream by stream the merge's
+      // backward with ∂v into DV [kTile + 2(K − 1), d] (K − 1 zero rows either side) and its
+      // transpose (expand_backward_tile). ∂partial of the sub-tile and the pad rows before it is
+      // gathered in GX over the streams (add_rows). (One stream's DV at a time: the sub-tile's
+      // buffers are most of L2, and the rows of out it reads twice should stay there.)
       const int64_t m4 = round_up4(m);
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? m * rows * d : 0, acc_t(0)),
+      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? rows * d : 0, acc_t(0)),
           GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
           qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0)), zz(kTile),
           zsq(m), gz(m), keep(kTile), beta(kTile), gamma(kTile);
       std::vector<const acc_t*> vrows(m);  // the partial's expansions, per stream (merge_tile)
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0, nt4 = round_up4(nt);
-        for (int64_t r = 0; A.partial && r < m; ++r) {
-          acc_t* dv0 = DV.data() + (r * rows + pad) * d;
-          std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
-        }
+        acc_t* dv0 = A.partial ? DV.data() + pad * d : nullptr;
+        if (A.partial) std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         std::fill(Z.begin() + nt * md, Z.begin() + nt4 * md, acc_t(0));  // (a shorter last sub-tile)
         // Recompute the merge (A.8–A.10).
         const int64_t p0 = b * T + u0;
@@ -661,7 +649,10 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
               for (int64_t i = 0; i < d; ++i) dZ[j * md + r * d + i] = acc_t(g_p[i]) / acc_t(m);
           }
         }
-        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps, per stream over the sub-tile.
+        // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps, per stream over the sub-tile:
+        // ∂v into DV, then its transpose (the identity stream's ∂v is its share of ∂partial itself,
+        // added to GX directly).
+        if (A.partial) std::fill(GX.begin(), GX.end(), acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* dz0 = dZ.data() + r * d;  // token j's ∂z_r at j·m·d
           acc_t* go0 = gop + (r * P + p0) * d;
@@ -675,16 +666,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           const scalar_t* o0 = op + (r * P + p0) * d;
           const acc_t* v0 = vrows[r];
           for (int64_t j = 0; j < nt; ++j) {
-            const acc_t *dz = dz0 + j * md, *v = v0 + j * d;
-            const scalar_t* o = o0 + j * d;
-            acc_t* go = go0 + j * d;
             const acc_t l = lam[r * kTile + j], sr = s[r * kTile + j];
-            acc_t dlambda = 0;  // ∂z · ∂z/∂λ = ∂z · (out − v), and ∂out = λ ∂z in the same pass
-#pragma omp simd reduction(+ : dlambda)
-            for (int64_t i = 0; i < d; ++i) {
-              dlambda += dz[i] * (acc_t(o[i]) - v[i]);
-              go[i] = l * dz[i];
-            }
+            // ∂z · ∂z/∂λ = ∂z · (out − v), and ∂out = λ ∂z in the same pass
+            const acc_t dlambda = scale_row_and_dot_difference(go0 + j * d, dz0 + j * md, o0 + j * d, v0 + j * d, l, d);
             const acc_t dzeta = dlambda * l * (acc_t(1) - l);  // ∂λ/∂ζ = λ(1 − λ) = −∂λ/∂a
             glp[r * P + p0 + j] = dzeta;
             const acc_t da = -dzeta;
@@ -693,17 +677,15 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             gamma[j] = da * sr * sr * sr * qv[r * kTile + j] / acc_t(d);
           }
           // ∂v = (1 − λ) ∂z + ∂a s q − ∂a s³ (q·v) v / d, and ∂q, in one blocked pass
-          key_grads<false>(DV.data() + (r * rows + pad) * d, gq + r * d, v0, dz0, md, qp + r * d, keep.data(),
-                           beta.data(), gamma.data(), nt, d);
+          if (r == 0) {
+            key_grads<true>(GX.data() + pad * d, gq, v0, dz0, md, qp, keep.data(), beta.data(), gamma.data(), nt, d);
+            continue;
+          }
+          key_grads<false>(dv0, gq + r * d, v0, dz0, md, qp + r * d, keep.data(), beta.data(), gamma.data(), nt, d);
+          expand_backward_tile(dv0, GX.data() + pad * d, gc + (r - 1) * K * d, xp + b * T * d, cp + (r - 1) * K * d,
+                               used[r - 1], in.lengths[r - 1], K, u0, u1, d);
         }
-        if (!A.partial) continue;
-        std::fill(GX.begin(), GX.end(), acc_t(0));
-        for (int64_t r = 0; r < m; ++r)
-          expand_backward_tile(DV.data() + (r * rows + pad) * d, GX.data() + pad * d,
-                               gc + std::max<int64_t>(r - 1, 0) * K * d, xp + b * T * d,
-                               r == 0 ? nullptr : cp + (r - 1) * K * d, r == 0 ? 1 : used[r - 1],
-                               r == 0 ? K : in.lengths[r - 1], K, u0, u1, d);
-        add_rows(gxp + b * T * d, GX.data(), K, u0, u1, d);
+        if (A.partial) add_rows(gxp + b * T * d, GX.data(), K, u0, u1, d);
       }
     });
   };

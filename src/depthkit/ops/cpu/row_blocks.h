@@ -37,6 +37,58 @@ inline void store(S* p, const Vec<acc_t>& v) {
   }
 }
 
+// The passes over one row that end in a sum keep four registers of partial sums: with one, each
+// multiply-add waits for the last (its latency, about four times its throughput).
+
+// z = λ a + (1 − λ) b over d (b == nullptr: z = a); returns z · z.
+template <class acc_t, class A>
+inline acc_t mix_row(acc_t* z, const A* a, const acc_t* b, acc_t lambda, int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t n = Reg<acc_t>::lanes, R = 4;
+  const acc_t kb = acc_t(1) - lambda, ka = b == nullptr ? acc_t(1) : lambda;
+  V part[R] = {};
+  int64_t i = 0;
+  for (; i + R * n <= d; i += R * n)
+#pragma GCC unroll 4
+    for (int64_t e = 0; e < R; ++e) {
+      V x = ka * load<acc_t>(a + i + e * n);
+      if (b != nullptr) x += kb * load<acc_t>(b + i + e * n);
+      std::memcpy(z + i + e * n, &x, sizeof x);
+      part[e] += x * x;
+    }
+  acc_t sum = lane_sum<acc_t>((part[0] + part[1]) + (part[2] + part[3]));
+  for (; i < d; ++i) {
+    const acc_t x = ka * acc_t(a[i]) + (b == nullptr ? acc_t(0) : kb * b[i]);
+    z[i] = x;
+    sum += x * x;
+  }
+  return sum;
+}
+
+// y = λ g over d; returns g · (a − b).
+template <class acc_t, class A>
+inline acc_t scale_row_and_dot_difference(acc_t* y, const acc_t* g, const A* a, const acc_t* b, acc_t lambda,
+                                          int64_t d) {
+  using V = Vec<acc_t>;
+  constexpr int64_t n = Reg<acc_t>::lanes, R = 4;
+  V part[R] = {};
+  int64_t i = 0;
+  for (; i + R * n <= d; i += R * n)
+#pragma GCC unroll 4
+    for (int64_t e = 0; e < R; ++e) {
+      const V gi = load<acc_t>(g + i + e * n);
+      const V yi = lambda * gi;
+      std::memcpy(y + i + e * n, &yi, sizeof yi);
+      part[e] += gi * (load<acc_t>(a + i + e * n) - load<acc_t>(b + i + e * n));
+    }
+  acc_t sum = lane_sum<acc_t>((part[0] + part[1]) + (part[2] + part[3]));
+  for (; i < d; ++i) {
+    y[i] = lambda * g[i];
+    sum += g[i] * (acc_t(a[i]) - b[i]);
+  }
+  return sum;
+}
+
 // Per row j < J of v (rows d apart): ss_j = v_j · v_j, qv_j = q · v_j and, with GRAD, gv_j = g_j · v_j
 // (g's rows d apart; without GRAD, g and gv are not read).
 template <int64_t J, bool GRAD, class acc_t, class X, class Q, class G>
