@@ -341,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, 
     // (A tile of at most the positions read: a decoding step's buffers hold its one position.)
     const int64_t tile = std::min(kTile, To), tiles = (To + tile - 1) / tile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> E(N * tile * d), a(N * tile), ss(tile), w(N);
+      Scratch<acc_t> E(N * tile * d), a(N * tile), ss(tile), w(N);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the tile: in E, or the source itself
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = context + (c % tiles) * tile, nt = std::min(T, t0 + tile) - t0;
@@ -412,14 +412,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
       // ∂x of the sub-tile and the pad rows before it, per source, is gathered in GX over the
       // streams (add_rows).
       const int64_t gx_rows = sub + pad;
-      std::vector<acc_t> V(N * sub * d), DV((sub + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * sub),
+      Scratch<acc_t> V(N * sub * d), DV((sub + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * sub),
           qv(N * sub), w(N * sub), gdotv(N * sub), g_out(sub), beta(sub), gamma(sub);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the sub-tile (stream_rows)
       acc_t* dv0 = DV.data() + pad * d;
       for (int64_t u0 = t0; u0 < t1; u0 += sub) {
         const int64_t u1 = std::min(t1, u0 + sub), nt = u1 - u0;
         std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
-        std::fill(GX.begin(), GX.end(), acc_t(0));
+        // GX's rows of the sub-tile are first written by the identity stream (r = 0, below); only
+        // the pad rows before them start at zero.
+        for (int64_t n = 0; n < N; ++n) std::fill_n(GX.data() + n * gx_rows * d, pad * d, acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
@@ -441,8 +443,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
           }
           for (int64_t n = 0; n < N; ++n) {
             // Per token: ∂a, then ∂v = w g + ∂a s q − ∂a s³ (q·v) v / d, and ∂q in the same pass
-            // over v (key_grads). The identity stream's ∂v is ∂x's share itself: added to GX
-            // directly (its transpose is the identity).
+            // over v (key_grads). The identity stream's ∂v is ∂x's share itself (its transpose is
+            // the identity): written to GX directly, the first of the terms of its rows.
             for (int64_t j = 0; j < nt; ++j) {
               const int64_t p = b * T + u0 + j, k = n * sub + j;
               const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
@@ -451,11 +453,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             }
             const acc_t *Vn = rows[n], *wn = w.data() + n * sub;
             const scalar_t* g0 = gop + (r * P + b * T + u0) * d;
-            if (r == 0)
-              key_grads<true>(GX.data() + (n * gx_rows + pad) * d, gq + r * d, Vn, g0, d, qr, wn, beta.data(),
-                              gamma.data(), nt, d);
-            else
-              key_grads<false>(dv0, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
+            acc_t* dv = r == 0 ? GX.data() + (n * gx_rows + pad) * d : dv0;
+            key_grads<false>(dv, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
             if (r == 0) continue;
             const int64_t bank = n * L + r - 1;
             expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
@@ -512,7 +511,7 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
     const int64_t tile = std::min(kTile, T), tiles = (T + tile - 1) / tile, rows4 = round_up4(tile), md = m * d,
                   m4 = round_up4(m);
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      std::vector<acc_t> V(A.partial ? m * tile * d : 0), Z(rows4 * md, acc_t(0)), pre(rows4 * m4), y(rows4 * m4),
+      Scratch<acc_t> V(A.partial ? m * tile * d : 0), Z(rows4 * md, acc_t(0)), pre(rows4 * m4), y(rows4 * m4),
           S(tile), zz(tile), sv(m * tile), qv(m * tile), lam(m * tile);
       std::vector<const acc_t*> rows(m), zrows(m);
       for (int64_t r = 0; r < m; ++r) zrows[r] = Z.data() + r * d;
@@ -596,7 +595,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       // gathered in GX over the streams (add_rows). (One stream's DV at a time: the sub-tile's
       // buffers are most of L2, and the rows of out it reads twice should stay there.)
       const int64_t m4 = round_up4(m);
-      std::vector<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? rows * d : 0, acc_t(0)),
+      Scratch<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? rows * d : 0, acc_t(0)),
           GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
           qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0)), zz(kTile),
           zsq(m), gz(m), keep(kTile), beta(kTile), gamma(kTile);
@@ -652,7 +651,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
         // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps, per stream over the sub-tile:
         // ∂v into DV, then its transpose (the identity stream's ∂v is its share of ∂partial itself,
         // added to GX directly).
-        if (A.partial) std::fill(GX.begin(), GX.end(), acc_t(0));
+        if (A.partial) std::fill_n(GX.data(), pad * d, acc_t(0));  // (the sub-tile's rows: set by r = 0)
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* dz0 = dZ.data() + r * d;  // token j's ∂z_r at j·m·d
           acc_t* go0 = gop + (r * P + p0) * d;
@@ -678,7 +677,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           }
           // ∂v = (1 − λ) ∂z + ∂a s q − ∂a s³ (q·v) v / d, and ∂q, in one blocked pass
           if (r == 0) {
-            key_grads<true>(GX.data() + pad * d, gq, v0, dz0, md, qp, keep.data(), beta.data(), gamma.data(), nt, d);
+            key_grads<false>(GX.data() + pad * d, gq, v0, dz0, md, qp, keep.data(), beta.data(), gamma.data(), nt, d);
             continue;
           }
           key_grads<false>(dv0, gq + r * d, v0, dz0, md, qp + r * d, keep.data(), beta.data(), gamma.data(), nt, d);
