@@ -193,22 +193,29 @@ const acc_t* stream_rows(acc_t* buf, const scalar_t* x0, const acc_t* taps, cons
 // (stream_rows, into V [m, tile, d]; rows[r] its rows) and the rows' (Σ v², q_r · v) in one
 // blocked pass (row_dots); then per token s = 1/rms(v), λ = σ(ζ_r − s (q_r · v)) and
 // z_r = λ out_r + (1 − λ) v, keeping s, q_r · v and λ at [r·tile + j] for the backward. Without it,
-// z_r = out_r. zz [nt]: each token's Σ z² over its m·d entries, for the fusion's rms (eq. 13).
+// z_r = out_r. zz [nt]: each token's Σ z² over its m·d entries, for the fusion's rms (eq. 13). The
+// backward's (g: the tile's first row of ∂h) also g · z_r at gz[r·tile + j], in the same pass.
 template <class acc_t, class scalar_t>
-void merge_tile(acc_t* Z, acc_t* zz, acc_t* s, acc_t* qv, acc_t* lam, const acc_t** rows, acc_t* V, int64_t tile,
-                const scalar_t* o, const acc_t* lse, int64_t P, const acc_t* q, const scalar_t* x0, const acc_t* taps,
-                const std::vector<int64_t>& used, int64_t K, int64_t t0, int64_t nt, int64_t m, int64_t d, double eps) {
+void merge_tile(acc_t* Z, acc_t* zz, acc_t* gz, acc_t* s, acc_t* qv, acc_t* lam, const acc_t** rows, acc_t* V,
+                int64_t tile, const scalar_t* o, const acc_t* lse, int64_t P, const acc_t* q, const scalar_t* x0,
+                const acc_t* taps, const std::vector<int64_t>& used, int64_t K, const scalar_t* g, int64_t t0,
+                int64_t nt, int64_t m, int64_t d, double eps) {
   const int64_t md = m * d;
   std::fill_n(zz, nt, acc_t(0));
+  // z_r of token j from a and b, as mix_row: with g · z_r where the backward asks for it.
+  auto mix = [&](int64_t j, int64_t r, const scalar_t* a, const acc_t* b, acc_t l) {
+    acc_t* z = Z + j * md + r * d;
+    zz[j] += g == nullptr ? mix_row<false>(z, a, b, l, g, gz, d)
+                          : mix_row<true>(z, a, b, l, g + j * d, gz + r * tile + j, d);
+  };
   for (int64_t r = 0; r < m; ++r) {
     const scalar_t* o_r = o + r * P * d;
     if (x0 == nullptr) {  // a block's first branch: z_r = out_r
-      for (int64_t j = 0; j < nt; ++j)
-        zz[j] += mix_row(Z + j * md + r * d, o_r + j * d, static_cast<const acc_t*>(nullptr), acc_t(1), d);
+      for (int64_t j = 0; j < nt; ++j) mix(j, r, o_r + j * d, nullptr, acc_t(1));
       continue;
     }
     const acc_t* v = rows[r] = stream_rows(V + r * tile * d, x0, taps, used, r - 1, r, K, t0, nt, d);
-    acc_t* ss = s + r * tile;  // (Σ v², then s: the tile's rows of stream r, before they go to [j·m + r])
+    acc_t* ss = s + r * tile;  // (Σ v², then s)
     acc_t* dots = qv + r * tile;
     row_dots<false>(ss, dots, static_cast<acc_t*>(nullptr), v, q + r * d, static_cast<const acc_t*>(nullptr), nt, d);
     for (int64_t j = 0; j < nt; ++j) {
@@ -216,7 +223,7 @@ void merge_tile(acc_t* Z, acc_t* zz, acc_t* s, acc_t* qv, acc_t* lam, const acc_
       const acc_t l = acc_t(1) / (acc_t(1) + std::exp(sj * dots[j] - lse[r * P + j]));  // (A.8, A.9)
       ss[j] = sj;
       lam[r * tile + j] = l;
-      zz[j] += mix_row(Z + j * md + r * d, o_r + j * d, v + j * d, l, d);  // (A.10)
+      mix(j, r, o_r + j * d, v + j * d, l);  // (A.10)
     }
   }
 }
@@ -519,8 +526,9 @@ at::Tensor msar_fuse_forward(const at::Tensor& out_, const at::Tensor& lse_, con
         const int64_t b = c / tiles, t0 = Tx - T + (c % tiles) * tile, nt = std::min(Tx, t0 + tile) - t0;
         std::fill(Z.begin() + nt * md, Z.begin() + round_up4(nt) * md, acc_t(0));  // (a shorter last tile)
         const int64_t p0 = b * T + t0 - (Tx - T);  // the tile's first position in out, ζ and h
-        merge_tile(Z.data(), zz.data(), sv.data(), qv.data(), lam.data(), rows.data(), V.data(), tile, op + p0 * d,
-                   lp + p0, P, qp, A.partial ? xp + (b * Tx + t0) * d : nullptr, cp, used, K, t0, nt, m, d, eps);
+        merge_tile(Z.data(), zz.data(), static_cast<acc_t*>(nullptr), sv.data(), qv.data(), lam.data(), rows.data(),
+                   V.data(), tile, op + p0 * d, lp + p0, P, qp, A.partial ? xp + (b * Tx + t0) * d : nullptr, cp, used,
+                   K, static_cast<const scalar_t*>(nullptr), t0, nt, m, d, eps);
         if (A.hpre) {
           hpre_gates(S.data(), y.data(), pre.data(), Z.data(), zz.data(), Wp, bp, acc_t(alpha), nt, m, m4, md, eps);  // eq. 13
         } else {
@@ -598,7 +606,7 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       Scratch<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? rows * d : 0, acc_t(0)),
           GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
           qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0)), zz(kTile),
-          zsq(m), gz(m), keep(kTile), beta(kTile), gamma(kTile);
+          gz(kTile * m), keep(kTile), beta(kTile), gamma(kTile);
       std::vector<const acc_t*> vrows(m);  // the partial's expansions, per stream (merge_tile)
       for (int64_t u0 = t0; u0 < t1; u0 += kTile) {
         const int64_t u1 = std::min(t1, u0 + kTile), nt = u1 - u0, nt4 = round_up4(nt);
@@ -607,8 +615,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
         std::fill(Z.begin() + nt * md, Z.begin() + nt4 * md, acc_t(0));  // (a shorter last sub-tile)
         // Recompute the merge (A.8–A.10).
         const int64_t p0 = b * T + u0;
-        merge_tile(Z.data(), zz.data(), s.data(), qv.data(), lam.data(), vrows.data(), V.data(), kTile, op + p0 * d,
-                   lp + p0, P, qp, A.partial ? xp + p0 * d : nullptr, cp, used, K, u0, nt, m, d, eps);
+        merge_tile(Z.data(), zz.data(), gz.data(), s.data(), qv.data(), lam.data(), vrows.data(), V.data(), kTile,
+                   op + p0 * d, lp + p0, P, qp, A.partial ? xp + p0 * d : nullptr, cp, used, K, gp + p0 * d, u0, nt, m,
+                   d, eps);
         // Fusion backward (eq. 13–14) → ∂Z. With u_j = (g·z_j) π_j (1 − π_j):
         // ∂z = π ⊙ g + α S Σ_j u_j W_j − α S³ (Σ_j u_j y_j) z / (m d), ∂W_j += u_j α S z.
         if (A.hpre) {
@@ -618,12 +627,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             const acc_t* z = Z.data() + j * md;
             acc_t* u = U.data() + j * m4;
             acc_t uy = 0;
-            // g · z_k of the token's m streams in one pass over g (the squares are not used)
-            row_dots<false>(zsq.data(), gz.data(), static_cast<acc_t*>(nullptr), z, g_p,
-                            static_cast<const acc_t*>(nullptr), m, d);
             for (int64_t k = 0; k < m; ++k) {
               const acc_t pk = pre[j * m4 + k], yk = y[j * m4 + k];
-              const acc_t uk = gz[k] * pk * (acc_t(1) - pk);
+              const acc_t uk = gz[k * kTile + j] * pk * (acc_t(1) - pk);  // (g · z_k: merge_tile)
               gb[k] += uk;
               gb[m] += uk * S[j] * yk;
               uy += uk * yk;

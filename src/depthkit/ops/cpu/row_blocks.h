@@ -40,13 +40,14 @@ inline void store(S* p, const Vec<acc_t>& v) {
 // The passes over one row that end in a sum keep four registers of partial sums: with one, each
 // multiply-add waits for the last (its latency, about four times its throughput).
 
-// z = λ a + (1 − λ) b over d (b == nullptr: z = a); returns z · z.
-template <class acc_t, class A>
-inline acc_t mix_row(acc_t* z, const A* a, const acc_t* b, acc_t lambda, int64_t d) {
+// z = λ a + (1 − λ) b over d (b == nullptr: z = a); returns z · z, and with G (g not nullptr)
+// g · z into *gz.
+template <bool G, class acc_t, class A, class S>
+inline acc_t mix_row(acc_t* z, const A* a, const acc_t* b, acc_t lambda, const S* g, acc_t* gz, int64_t d) {
   using V = Vec<acc_t>;
   constexpr int64_t n = Reg<acc_t>::lanes, R = 4;
   const acc_t kb = acc_t(1) - lambda, ka = b == nullptr ? acc_t(1) : lambda;
-  V part[R] = {};
+  V part[R] = {}, gpart[R] = {};
   int64_t i = 0;
   for (; i + R * n <= d; i += R * n)
 #pragma GCC unroll 4
@@ -55,13 +56,17 @@ inline acc_t mix_row(acc_t* z, const A* a, const acc_t* b, acc_t lambda, int64_t
       if (b != nullptr) x += kb * load<acc_t>(b + i + e * n);
       std::memcpy(z + i + e * n, &x, sizeof x);
       part[e] += x * x;
+      if constexpr (G) gpart[e] += x * load<acc_t>(g + i + e * n);
     }
   acc_t sum = lane_sum<acc_t>((part[0] + part[1]) + (part[2] + part[3]));
+  acc_t gsum = G ? lane_sum<acc_t>((gpart[0] + gpart[1]) + (gpart[2] + gpart[3])) : acc_t(0);
   for (; i < d; ++i) {
     const acc_t x = ka * acc_t(a[i]) + (b == nullptr ? acc_t(0) : kb * b[i]);
     z[i] = x;
     sum += x * x;
+    if constexpr (G) gsum += x * acc_t(g[i]);
   }
+  if constexpr (G) *gz = gsum;
   return sum;
 }
 
