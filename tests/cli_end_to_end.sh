@@ -116,13 +116,25 @@ assert r[0]['traffic_bound_ms'] == 0 and 0 < r[1]['traffic_bound_ms'] < r[2]['tr
 for x in r:
   assert abs(x['traffic_ms'] - x['traffic_bytes_per_step'] / x['copy_gbs'] / 1e6) < 1e-9 * x['traffic_ms'], x
   assert abs(x['traffic_bound_ms'] - (x['traffic_ms'] - r[0]['traffic_ms'])) < 1e-12 + 1e-9 * x['traffic_ms'], x
+# The FLOP bound: each kind's pathway FLOPs per step, \`depthkit cost\`'s per token x the tokens, at
+# the GEMM rate timed in the run; the floor is both bounds together, of the first kind's step.
+assert all(x['gemm_gflops'] > 0 and x['gemm_gflops'] == r[0]['gemm_gflops'] for x in r), r
+dar_flops = json.load(open('cost_dar.json'))['training_flops_per_token']['pathway']
+assert abs(r[1]['pathway_flops_per_step'] - dar_flops * 4 * 64) < 1e-9 * dar_flops * 256, (r[1], dar_flops)
+assert r[0]['flop_bound_ms'] == 0 and 0 < r[1]['flop_bound_ms'] < r[2]['flop_bound_ms'], r
+for x in r:
+  assert abs(x['flop_ms'] - x['pathway_flops_per_step'] / x['gemm_gflops'] / 1e6) < 1e-9 * x['flop_ms'], x
+  assert abs(x['floor_ms'] - x['flop_bound_ms'] - x['traffic_bound_ms']) < 1e-9 * (1 + x['floor_ms']), x
+  assert abs(x['floor'] - x['floor_ms'] / (r[0]['median_step_s'] * 1e3)) < 1e-12, x
 " || fail "bench --kinds"
 # The table prints the same columns; the 0.1B-width preset (configs/bench/wide.toml), made small
 # in depth and tokens here, runs through it.
 "$DK" bench --config "$SRC/configs/bench/wide.toml" --set model.n_layers=1 --set model.seq_len=16 \
   --set train.micro_batch=1 --kinds residual,attnres --steps 1 --warmup 0 >kinds.txt
-grep -q "overhead ms.*traffic bound ms" kinds.txt || fail "bench --kinds: no traffic bound column: $(cat kinds.txt)"
+grep -q "overhead ms.*floor.*FLOP bound ms.*traffic bound ms" kinds.txt \
+  || fail "bench --kinds: no floor columns: $(cat kinds.txt)"
 grep -q "^attnres " kinds.txt && grep -q "GB/s, timed among the steps" kinds.txt \
+  && grep -q "GFLOP/s (\[tokens, d\] . \[d, d\], timed among the steps)" kinds.txt \
   || fail "bench --kinds: $(cat kinds.txt)"
 # Variants of the MoE config interleaved: the grouped expert product, the per-expert loop, and the
 # dense model of the same active parameters less the router (d_ff 384 = top_k 2 · 128 + 1 shared · 128);
@@ -180,6 +192,15 @@ assert ops['shared_source']['bytes'] == 4 * (5 * (3 * 5 + 2) + 2 * 5) * 4096 * 1
 # MSAR's (m = 4): the read's (3N + 2m)·P·d floats, the fuse's (3m + 5)·P·d
 assert ops['msar_read']['bytes'] == 4 * (3 * 5 + 2 * 4) * 4096 * 128, ops['msar_read']
 assert ops['msar_fuse']['bytes'] == 4 * (3 * 4 + 5) * 4096 * 128, ops['msar_fuse']
+# and their FLOPs as the kernels run them (the count in bench/op_bench.cpp, per token, sum of the
+# kernels' lengths 24): the read 72d forward + 196d backward per source, the fuse 124d + 340d;
+# the floor is those FLOPs at the GEMM rate timed beside them. The other ops' FLOPs are not counted.
+assert ops['msar_read']['flops'] == (72 + 196) * 128 * 5 * 4096, ops['msar_read']
+assert ops['msar_fuse']['flops'] == (124 + 340) * 128 * 4096, ops['msar_fuse']
+for o in (ops['msar_read'], ops['msar_fuse']):
+  assert o['gemm_gflops'] > 0 and abs(o['flop_floor_ms'] - o['flops'] / o['gemm_gflops'] / 1e6) < 1e-9 * o['flop_floor_ms'], o
+  assert abs(o['of_flop_floor'] - o['fused_ms'] / o['flop_floor_ms']) < 1e-9 * o['of_flop_floor'], o
+assert all(o['flops'] is None and o['of_flop_floor'] is None for k, o in ops.items() if not k.startswith('msar')), r
 " || fail "bench --ops"
 
 # The fused operators follow the reference compositions through training, for every kind

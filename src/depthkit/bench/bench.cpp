@@ -194,7 +194,12 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
   PlainCopy copy(at::ones({c0.model.n_branches(), c0.train.micro_batch * c0.model.seq_len, c0.model.d_model},
                           at::TensorOptions(compute_dtype_of(c0.train)).device(device)));
   copy.time_ms();  // the destination's pages are first touched here, not in a timed copy
-  std::vector<double> copy_ms;
+  // The FLOP rate the pathways' FLOPs are rated against: a projection's product at the first
+  // variant's micro-batch and width, in its compute dtype.
+  GemmRate gemm(c0.train.micro_batch * c0.model.seq_len, c0.model.d_model,
+                at::TensorOptions(compute_dtype_of(c0.train)).device(device));
+  gemm.time_ms();
+  std::vector<double> copy_ms, gemm_ms;
   std::vector<BenchResult> results(variants.size());
   for (int64_t i = 0; i < warmup + steps; ++i) {
     for (size_t k = 0; k < benches.size(); ++k) {
@@ -204,13 +209,16 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
     // In every round, so that it sees the steps' machine; three copies (a few ms each against a
     // step's hundreds), so that one preempted by another process does not make the median.
     for (int j = 0; j < 3; ++j) {
-      const double c = copy.time_ms();
-      if (i >= warmup) copy_ms.push_back(c);
+      const double c = copy.time_ms(), m = gemm.time_ms();
+      if (i >= warmup) copy_ms.push_back(c), gemm_ms.push_back(m);
     }
   }
-  const double copy_gbs = copy.gbs(median(copy_ms));
+  // The GEMM's fastest timing: a rate the machine reaches (a floor is not raised by interference).
+  const double copy_gbs = copy.gbs(median(copy_ms)),
+               gemm_gflops = gemm.gflops(*std::min_element(gemm_ms.begin(), gemm_ms.end()));
   copy.src.reset();  // not kept through the dispatch measurement below
   copy.dst.reset();
+  gemm.a.reset(), gemm.b.reset(), gemm.out.reset();
   for (size_t k = 0; k < variants.size() && profile_steps > 0; ++k) {
     OpProfile profile;
     profile.start();
@@ -231,9 +239,12 @@ std::vector<BenchResult> run_bench_variants(const Config& cfg, const std::vector
     r.parameters = n.total;
     r.active_parameters = n.active;
     summarise(r, configs[k].tokens_per_step());
-    r.traffic_bytes = training_cost(configs[k].model, configs[k].residual)
-                          .training_traffic_bytes(r.tokens_per_step, int64_t(c10::elementSize(compute_dtype_of(configs[k].train))));
+    const CostReport cost = training_cost(configs[k].model, configs[k].residual);
+    r.traffic_bytes =
+        cost.training_traffic_bytes(r.tokens_per_step, int64_t(c10::elementSize(compute_dtype_of(configs[k].train))));
     r.copy_gbs = copy_gbs;
+    r.pathway_flops = cost.pathway_flops * double(r.tokens_per_step);
+    r.gemm_gflops = gemm_gflops;
   }
   // After the timing, so that its allocations do not touch the steps.
   for (size_t k = 0; k < variants.size(); ++k)

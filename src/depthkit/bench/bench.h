@@ -74,6 +74,13 @@ struct BenchResult {
   double traffic_bytes = 0;
   double copy_gbs = 0;
   double traffic_ms() const { return traffic_bytes / (copy_gbs * 1e9) * 1e3; }
+  // The pathway's FLOPs per step, `depthkit cost`'s count (CostReport::pathway_flops: 3× the
+  // forward, multiply-add = 2, MSAR Appendix C), and the rate of a GEMM at the layer's shape timed
+  // three times a round among the steps (GemmRate, bench/op_bench.h; the same for every variant):
+  // what the pathway's FLOPs take at the rate the machine's tuned kernels reach.
+  double pathway_flops = 0;
+  double gemm_gflops = 0;
+  double flop_ms() const { return pathway_flops / (gemm_gflops * 1e9) * 1e3; }
 };
 
 // A label and the "section.key=value" overrides that make it from the common config.

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randint.h>
@@ -42,6 +43,21 @@ double PlainCopy::gbs(double ms) const {
   return 2.0 * double(src.element_size()) * double(src.numel()) / (ms * 1e-3) / 1e9;  // read + write
 }
 
+GemmRate::GemmRate(int64_t rows, int64_t d, at::TensorOptions options)
+    : a(at::randn({rows, d}, options)), b(at::randn({d, d}, options)), out(at::empty({rows, d}, options)) {}
+
+double GemmRate::time_ms() {
+  synchronize(a.device());
+  const auto t0 = std::chrono::steady_clock::now();
+  at::mm_out(out, a, b);
+  synchronize(a.device());
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double GemmRate::gflops(double ms) const {
+  return 2.0 * double(a.size(0)) * double(a.size(1)) * double(b.size(1)) / (ms * 1e-3) / 1e9;
+}
+
 namespace {
 
 struct Shape {
@@ -67,7 +83,26 @@ struct Case {
   // linear_cross_entropy: their three matrix products, which the fused ops run in ATen as well);
   // timed with the others.
   std::function<void()> irreducible = nullptr;
+  double flops = 0;  // OpTiming::flops, where counted
 };
+
+// The FLOPs of MSAR's fused operators, forward + backward, as cpu/msar_cpu.cpp runs them
+// (multiply-add = 2; Σκ the kernels' lengths summed, the identity stream's none; per token):
+// msar_read, per source: forward 2Σκ d (expansions) + m·6d (Σv², q·v, the value sum); backward
+// 2Σκ d (the expansions again: they are never stored) + m·13d (Σv², q·v, g·v; ∂v = w g + β q − γ v;
+// ∂q) + 4Σκ d (the two transposes, ∂x and ∂c).
+double msar_read_flops(int64_t m, int64_t kernel_sum, int64_t N, int64_t P, int64_t d) {
+  return double(N) * double(P) * double(d) * double(2 * kernel_sum + 6 * m + 2 * kernel_sum + 13 * m + 4 * kernel_sum);
+}
+// msar_fuse with the partial and H_pre: forward 2Σκ d (the partial's expansions) + m·11d (Σv²,
+// q·v; z = λ out + (1 − λ) v; Σz²; h = Σ π z) + 2m²d (y = W_pre z); backward the merge and gates
+// again (2Σκ d + m·11d + 2m²d, with g·z in place of h) + m·3d (∂z) + 4m²d (U W_pre, ∂W_pre) + m·11d
+// (∂λ with ∂out, ∂v with ∂q) + 4Σκ d (the transposes).
+double msar_fuse_flops(int64_t m, int64_t kernel_sum, int64_t P, int64_t d) {
+  const int64_t forward = 2 * kernel_sum + 11 * m + 2 * m * m;
+  const int64_t backward = 2 * kernel_sum + 11 * m + 2 * m * m + 3 * m + 4 * m * m + 11 * m + 4 * kernel_sum;
+  return double(P) * double(d) * double(forward + backward);
+}
 
 template <class Fn>
 double time_ms(Fn&& fn) {
@@ -177,6 +212,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
      // the read of the completed sources, expanded on the fly, and the partial's merge + H_pre fusion.
     const int64_t m = 4, K = 12, B = P / s.T, T = s.T;
     const std::vector<int64_t> lengths = {4, 8, 12};  // passed as the pathway does: the padding is skipped
+    const int64_t kernel_sum = 4 + 8 + 12;
     auto bank = [&](int64_t n) {  // [n, m − 1, d, K]: taps past each kernel's length are zero
       at::Tensor c = at::randn({n, m - 1, d, K}, g) * 0.1;
       c.select(1, 0).narrow(-1, 4, K - 4).zero_();
@@ -201,6 +237,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    {cotangent({m, B, T, d}), cotangent({m, B, T})},
                    // forward: sources in, the m streams' out; backward: ∂out, sources in, ∂sources
                    F * (3 * N + 2 * m) * P * d});
+    out.back().flops = msar_read_flops(m, kernel_sum, N, P, d);
     std::vector<at::Tensor> u = {leaf({m, B, T, d}), leaf({m, B, T}), leaf({m, d}, 0.5), leaf({B, T, d}),
                                  bank(1).squeeze(0).detach().requires_grad_(), leaf({m, m * d}, 0.02), leaf({m}),
                                  leaf({1}, 0.5)};
@@ -210,6 +247,7 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
     out.push_back({"msar_fuse", u, fuse(fused::msar_fuse), fuse(reference::msar_fuse), {cotangent({B, T, d})},
                    // forward: out (m streams), partial in, h; backward: ∂h, out, partial in, ∂out, ∂partial
                    F * (3 * m + 5) * P * d});
+    out.back().flops = msar_fuse_flops(m, kernel_sum, P, d);
   }
   {  // mHC (m = 4 streams): the pre-mix, Sinkhorn–Knopp (20 rounds) and the post + res merge.
     const int64_t m = 4, n = m * m + 2 * m;
@@ -320,18 +358,27 @@ OpBenchReport bench_ops(const std::string& shapes, int64_t repeats) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(0);
   OpBenchReport report;
   for (const Shape& s : all) {
+    GemmRate gemm(s.P, s.d, at::TensorOptions(at::kFloat));  // the FLOP floor's rate, at the layer's shape
     for (const Case& c : cases(s, g)) {
-      std::vector<double> fused_ms, reference_ms, irreducible_ms;
+      std::vector<double> fused_ms, reference_ms, irreducible_ms, gemm_ms;
       for (int64_t i = 0; i <= repeats; ++i) {  // interleaved; the first round is a warm-up
         const double f = run(c, c.fused), r = run(c, c.reference);
         const double k = c.irreducible ? time_ms(c.irreducible) : 0.0;
+        const double m = c.flops > 0 ? gemm.time_ms() : 0.0;
         if (i > 0) {
           fused_ms.push_back(f);
           reference_ms.push_back(r);
           irreducible_ms.push_back(k);
+          gemm_ms.push_back(m);
         }
       }
       report.ops.push_back({c.op, s.label(), median(reference_ms), median(fused_ms), c.bytes, median(irreducible_ms)});
+      if (c.flops > 0) {
+        report.ops.back().flops = c.flops;
+        // the fastest of the rounds: a rate the machine reaches (a slower round is another
+        // process's interference, not the floor)
+        report.ops.back().gemm_gflops = gemm.gflops(*std::min_element(gemm_ms.begin(), gemm_ms.end()));
+      }
     }
     report.bandwidth.push_back(bandwidth(s, g, repeats));
     for (OpTiming& o : report.ops)

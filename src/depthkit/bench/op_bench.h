@@ -1,7 +1,8 @@
 // `depthkit bench --ops`: each fused operator (bench_op_names) against its reference composition
 // (ops/reference/), forward plus backward, at the tiny config's shapes and at the 0.1B shapes,
-// timed interleaved in one process (medians over repeats); and the fused read's achieved
-// bandwidth against a plain copy measured in the same run (docs/benchmarks.md).
+// timed interleaved in one process (medians over repeats); the fused read's achieved bandwidth
+// against a plain copy measured in the same run; and MSAR's two operators against their FLOP
+// floor, at a GEMM's rate measured in the same run (docs/benchmarks.md).
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -22,6 +23,17 @@ struct PlainCopy {
   double gbs(double ms) const;  // the bytes read and written ÷ ms
 };
 
+// A matrix product at a layer's shape, [rows, d] · [d, d] (the projections'), in the given dtype and
+// device: the FLOP rate the machine's tuned kernels (the BLAS) reach, against which `bench --ops`
+// rates an operator's FLOPs and `bench --kinds` a pathway's. Timed in the same rounds as what it
+// is compared with, as PlainCopy.
+struct GemmRate {
+  at::Tensor a, b, out;
+  GemmRate(int64_t rows, int64_t d, at::TensorOptions options);
+  double time_ms();             // one product, between two synchronisations on a device
+  double gflops(double ms) const;  // its 2·rows·d·d FLOPs ÷ ms
+};
+
 struct OpTiming {
   std::string op;     // e.g. "depth_read"
   std::string shape;  // e.g. "tiny: N=5 P=4096 d=128"
@@ -33,6 +45,12 @@ struct OpTiming {
   // three GEMMs), or 0.
   double irreducible_ms = 0;
   double copy_gbs = 0;  // a plain copy at this shape, same run (ReadBandwidth)
+  // The fused forward + backward's FLOPs as its kernels run them (multiply-add = 2; a backward's
+  // recomputation counted), where counted (MSAR's read and fuse; 0 for the others), and a GEMM's
+  // rate at the shape in the same rounds (GemmRate): the FLOP floor is the time those FLOPs take
+  // at that rate.
+  double flops = 0, gemm_gflops = 0;
+  double flop_floor_ms() const { return flops / (gemm_gflops * 1e9) * 1e3; }
   double speedup() const { return reference_ms / fused_ms; }
   double gbs() const { return bytes / (fused_ms * 1e-3) / 1e9; }
   // The speedup of an op that moved `bytes` at copy speed (plus the irreducible work): the most

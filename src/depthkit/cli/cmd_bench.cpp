@@ -137,7 +137,13 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
       j["ops"].push_back({{"op", o.op}, {"shape", o.shape}, {"reference_ms", o.reference_ms}, {"fused_ms", o.fused_ms},
                           {"speedup", o.speedup()}, {"bytes", o.bytes}, {"gbs", o.gbs()},
                           {"fraction_of_copy", o.gbs() / o.copy_gbs}, {"irreducible_ms", o.irreducible_ms},
-                          {"copy_bound_speedup", o.copy_bound_speedup()}});
+                          {"copy_bound_speedup", o.copy_bound_speedup()},
+                          // null where the op's FLOPs are not counted (OpTiming::flops)
+                          {"flops", o.flops > 0 ? nlohmann::json(o.flops) : nlohmann::json(nullptr)},
+                          {"gemm_gflops", o.flops > 0 ? nlohmann::json(o.gemm_gflops) : nlohmann::json(nullptr)},
+                          {"flop_floor_ms", o.flops > 0 ? nlohmann::json(o.flop_floor_ms()) : nlohmann::json(nullptr)},
+                          {"of_flop_floor",
+                           o.flops > 0 ? nlohmann::json(o.fused_ms / o.flop_floor_ms()) : nlohmann::json(nullptr)}});
     for (const auto& b : r.bandwidth)
       j["bandwidth"].push_back({{"shape", b.shape}, {"bytes", b.bytes}, {"fused_ms", b.fused_ms}, {"gbs", b.gbs()},
                                 {"copy_gbs", b.copy_gbs}, {"fraction_of_copy", b.gbs() / b.copy_gbs}});
@@ -153,6 +159,14 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
   for (const auto& o : r.ops)
     std::printf("%-20s %-28s %12.3f %9.3f %7.2fx %9.2f %7.0f%% %9.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms,
                 o.fused_ms, o.speedup(), o.gbs(), 100.0 * o.gbs() / o.copy_gbs, o.copy_bound_speedup());
+  std::printf("\nagainst their FLOP floor: the fused forward + backward's FLOPs as its kernels run them (a backward's\n"
+              "recomputation counted, multiply-add = 2) at the rate of a GEMM at the shape ([P, d] · [d, d], same run):\n");
+  std::printf("%-20s %-28s %9s %11s %9s %9s %8s\n", "op", "shape", "GFLOP", "GEMM GFLOP/s", "floor ms", "fused ms",
+              "x floor");
+  for (const auto& o : r.ops)
+    if (o.flops > 0)
+      std::printf("%-20s %-28s %9.3f %11.1f %9.3f %9.3f %7.2fx\n", o.op.c_str(), o.shape.c_str(), o.flops / 1e9,
+                  o.gemm_gflops, o.flop_floor_ms(), o.fused_ms, o.fused_ms / o.flop_floor_ms());
   std::printf("\nfused depth_read forward bandwidth against a plain copy in the same run:\n");
   for (const auto& b : r.bandwidth)
     std::printf("%-28s %8.3f ms  %6.2f GB/s  copy %6.2f GB/s  %5.1f%% of copy\n", b.shape.c_str(), b.fused_ms, b.gbs(),
@@ -209,6 +223,13 @@ std::vector<BenchVariant> parse_variants(const std::vector<std::string>& specs) 
   return variants;
 }
 
+// The least a kind's step can take over the first kind's: its pathway's FLOPs beyond the first's
+// at a GEMM's rate, plus its bytes beyond the first's at a copy's speed (no overlap assumed
+// between the two: the pathways' operators alternate passes bound by either).
+double floor_ms(const BenchResult& r, const BenchResult& first) {
+  return (r.flop_ms() - first.flop_ms()) + (r.traffic_ms() - first.traffic_ms());
+}
+
 // Every run's figures as JSON: one object for a single run, {"runs": [...]} for several.
 void print_runs_json(const std::vector<BenchResult>& results, bool several, bool profile) {
   const double base = results[0].median_step_s;
@@ -229,6 +250,14 @@ void print_runs_json(const std::vector<BenchResult>& results, bool several, bool
                     {"copy_gbs", r.copy_gbs},
                     {"traffic_ms", r.traffic_ms()},
                     {"traffic_bound_ms", r.traffic_ms() - results[0].traffic_ms()},
+                    // the pathway's FLOPs per step (`depthkit cost`) at a GEMM's rate; the bound
+                    // is what the first kind's leaves over, and the floor both bounds together
+                    {"pathway_flops_per_step", r.pathway_flops},
+                    {"gemm_gflops", r.gemm_gflops},
+                    {"flop_ms", r.flop_ms()},
+                    {"flop_bound_ms", r.flop_ms() - results[0].flop_ms()},
+                    {"floor_ms", floor_ms(r, results[0])},
+                    {"floor", floor_ms(r, results[0]) / (base * 1e3)},
                     {"peak_rss_bytes", r.peak_rss_bytes},
                     {"peak_tensor_bytes", r.peak_tensor_bytes},
                     {"device", r.device},
@@ -282,22 +311,31 @@ void print_variants(const std::vector<BenchResult>& results, const BenchArgs& a)
   }
 }
 
-// --kinds: a row per kind, overheads against the first. The traffic bound beside the overhead:
-// the pathway's bytes beyond the first kind's at the copy's speed, the least its overhead can be
-// where the pathway is bound by memory (with residual first, its row is 0: the standard
-// residual's own adds are the baseline, as `depthkit cost`'s overhead subtracts them).
+// --kinds: a row per kind, overheads against the first, and beside the overhead its floor: the
+// FLOP bound (the pathway's FLOPs beyond the first kind's at a GEMM's rate) plus the traffic bound
+// (its bytes beyond the first kind's at a copy's speed), the least its overhead can be (with
+// residual first, its row is 0: the standard residual's own adds are the baseline, as `depthkit
+// cost`'s overhead subtracts them).
 void print_kinds(const std::vector<BenchResult>& results, const Config& cfg, const BenchArgs& a) {
   const double base = results[0].median_step_s;
-  std::printf("%-14s %12s %12s %10s %12s %17s %12s   (interleaved, medians of %lld steps after %lld warm-up; "
-              "S = %lld; on %s)\n",
-              "kind", "step ms", "tokens/s", "overhead", "overhead ms", "traffic bound ms",
+  std::printf("%-14s %12s %12s %10s %12s %8s %14s %17s %12s   (interleaved, medians of %lld steps after %lld "
+              "warm-up; S = %lld; on %s)\n",
+              "kind", "step ms", "tokens/s", "overhead", "overhead ms", "floor", "FLOP bound ms", "traffic bound ms",
               device_memory(results) ? "device MiB" : "tensor MiB", (long long)a.steps, (long long)a.warmup,
               (long long)cfg.residual.block_sublayers, results[0].device.c_str());
   for (const auto& r : results)
-    std::printf("%-14s %12.2f %12.0f %9.1f%% %12.2f %17.2f %12.1f\n", r.kind.c_str(), r.median_step_s * 1e3,
-                r.tokens_per_s, 100.0 * (r.median_step_s / base - 1.0), (r.median_step_s - base) * 1e3,
-                r.traffic_ms() - results[0].traffic_ms(), table_memory_mib(r, device_memory(results)));
-  std::printf("traffic bound ms: (the kind's pathway bytes per step - %s's) / a plain copy's %.2f GB/s, timed "
+    std::printf("%-14s %12.2f %12.0f %9.1f%% %12.2f %7.1f%% %14.2f %17.2f %12.1f\n", r.kind.c_str(),
+                r.median_step_s * 1e3, r.tokens_per_s, 100.0 * (r.median_step_s / base - 1.0),
+                (r.median_step_s - base) * 1e3, 100.0 * floor_ms(r, results[0]) / (base * 1e3),
+                r.flop_ms() - results[0].flop_ms(), r.traffic_ms() - results[0].traffic_ms(),
+                table_memory_mib(r, device_memory(results)));
+  std::printf("floor: FLOP bound + traffic bound, of %s's step;\n", results[0].kind.c_str());
+  std::printf("FLOP bound ms: (the kind's pathway FLOPs per step - %s's) / a GEMM's %.1f GFLOP/s ([tokens, d] . [d, d], "
+              "timed among the steps);\nFLOPs per step (`depthkit cost`'s, 3x the forward):",
+              results[0].kind.c_str(), results[0].gemm_gflops);
+  for (size_t k = 0; k < results.size(); ++k)
+    std::printf("%s %s %.3f GFLOP", k ? "," : "", results[k].kind.c_str(), results[k].pathway_flops / 1e9);
+  std::printf("\ntraffic bound ms: (the kind's pathway bytes per step - %s's) / a plain copy's %.2f GB/s, timed "
               "among the steps;\nbytes per step (`depthkit cost`'s traffic, forward and backward):",
               results[0].kind.c_str(), results[0].copy_gbs);
   for (size_t k = 0; k < results.size(); ++k)

@@ -616,8 +616,8 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
         // Recompute the merge (A.8–A.10).
         const int64_t p0 = b * T + u0;
         merge_tile(Z.data(), zz.data(), gz.data(), s.data(), qv.data(), lam.data(), vrows.data(), V.data(), kTile,
-                   op + p0 * d, lp + p0, P, qp, A.partial ? xp + p0 * d : nullptr, cp, used, K, gp + p0 * d, u0, nt, m,
-                   d, eps);
+                   op + p0 * d, lp + p0, P, qp, A.partial ? xp + p0 * d : nullptr, cp, used, K,
+                   A.hpre ? gp + p0 * d : nullptr, u0, nt, m, d, eps);  // (g · z: the gates' backward)
         // Fusion backward (eq. 13–14) → ∂Z. With u_j = (g·z_j) π_j (1 − π_j):
         // ∂z = π ⊙ g + α S Σ_j u_j W_j − α S³ (Σ_j u_j y_j) z / (m d), ∂W_j += u_j α S z.
         if (A.hpre) {
