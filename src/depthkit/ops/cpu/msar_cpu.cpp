@@ -461,7 +461,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             const acc_t *Vn = rows[n], *wn = w.data() + n * sub;
             const scalar_t* g0 = gop + (r * P + b * T + u0) * d;
             acc_t* dv = r == 0 ? GX.data() + (n * gx_rows + pad) * d : dv0;
-            key_grads<false>(dv, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
+            key_grads(dv, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
             if (r == 0) continue;
             const int64_t bank = n * L + r - 1;
             expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
@@ -655,9 +655,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
           }
         }
         // Merge backward (A.8–A.10) → ∂out, ∂ζ, ∂q, ∂partial, ∂taps, per stream over the sub-tile:
-        // ∂v into DV, then its transpose (the identity stream's ∂v is its share of ∂partial itself,
-        // added to GX directly).
-        if (A.partial) std::fill_n(GX.data(), pad * d, acc_t(0));  // (the sub-tile's rows: set by r = 0)
+        // ∂v into DV, then its transpose into GX. The identity stream's ∂v is its share of
+        // ∂partial itself, written to GX's rows of the sub-tile first; only the pad rows start at 0.
+        if (A.partial) std::fill_n(GX.data(), pad * d, acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
           const acc_t* dz0 = dZ.data() + r * d;  // token j's ∂z_r at j·m·d
           acc_t* go0 = gop + (r * P + p0) * d;
@@ -682,11 +682,9 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
             gamma[j] = da * sr * sr * sr * qv[r * kTile + j] / acc_t(d);
           }
           // ∂v = (1 − λ) ∂z + ∂a s q − ∂a s³ (q·v) v / d, and ∂q, in one blocked pass
-          if (r == 0) {
-            key_grads<false>(GX.data() + pad * d, gq, v0, dz0, md, qp, keep.data(), beta.data(), gamma.data(), nt, d);
-            continue;
-          }
-          key_grads<false>(dv0, gq + r * d, v0, dz0, md, qp + r * d, keep.data(), beta.data(), gamma.data(), nt, d);
+          key_grads(r == 0 ? GX.data() + pad * d : dv0, gq + r * d, v0, dz0, md, qp + r * d, keep.data(), beta.data(),
+                    gamma.data(), nt, d);
+          if (r == 0) continue;
           expand_backward_tile(dv0, GX.data() + pad * d, gc + (r - 1) * K * d, xp + b * T * d, cp + (r - 1) * K * d,
                                used[r - 1], in.lengths[r - 1], K, u0, u1, d);
         }
