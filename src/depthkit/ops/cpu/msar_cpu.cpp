@@ -601,10 +601,11 @@ msar_fuse_backward(const at::Tensor& grad_, const at::Tensor& out_, const at::Te
       // backward with ∂v into DV [kTile + 2(K − 1), d] (K − 1 zero rows either side) and its
       // transpose (expand_backward_tile). ∂partial of the sub-tile and the pad rows before it is
       // gathered in GX over the streams (add_rows). (One stream's DV at a time: the sub-tile's
-      // buffers are most of L2, and the rows of out it reads twice should stay there.)
+      // buffers are most of L2, and the rows of out it reads twice should stay there.) ∂Z starts
+      // at zero for the rows past a short sub-tile's tokens, which the gate products run over.
       const int64_t m4 = round_up4(m);
       Scratch<acc_t> V(A.partial ? m * kTile * d : 0), DV(A.partial ? rows * d : 0, acc_t(0)),
-          GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md), s(kTile * m),
+          GX(A.partial ? (kTile + pad) * d : 0), Z(kTile * md, acc_t(0)), dZ(kTile * md, acc_t(0)), s(kTile * m),
           qv(kTile * m), lam(kTile * m), S(kTile), pre(kTile * m4), y(kTile * m4), U(kTile * m4, acc_t(0)), zz(kTile),
           gz(kTile * m), keep(kTile), beta(kTile), gamma(kTile);
       std::vector<const acc_t*> vrows(m);  // the partial's expansions, per stream (merge_tile)
