@@ -170,7 +170,7 @@ assert runs['dar']['depthkit::dar_read']['calls_per_step'] == 4, runs['dar']['de
 assert 'depthkit::dar_read_backward' in runs['dar'], runs['dar'].keys()
 assert all(0 <= p['self_ms_per_step'] <= p['total_ms_per_step'] + 1e-9 for r in runs.values() for p in r.values())
 " || fail "bench --profile"
-# Every fused operator (all 13) timed against its reference.
+# Every fused operator (all 14) timed against its reference.
 # Each reports the bytes its fused form must move (depth_read at the tiny shapes, N = 5, P = 4096,
 # d = 128: (3N + 2)·P·d floats) and the speedup it would have at copy speed; only mhc_pre and
 # linear_cross_entropy have work that fusion cannot remove (their GEMMs).
@@ -184,7 +184,7 @@ assert all(o['copy_bound_speedup'] > 0 and abs(o['gbs'] - o['bytes'] / o['fused_
 with_gemms = {'mhc_pre', 'linear_cross_entropy'}
 assert all((o['irreducible_ms'] > 0) == (k in with_gemms) for k, o in ops.items()), r
 assert r['bandwidth'][0]['copy_gbs'] > 0, r
-every = {'depth_read', 'depth_merge', 'dar_read', 'dar_write', 'msar_read', 'msar_fuse', 'mhc_pre', 'mhc_sinkhorn',
+every = {'depth_read', 'depth_merge', 'dar_read', 'dar_write', 'msar_read', 'msar_block_read', 'msar_fuse', 'mhc_pre', 'mhc_sinkhorn',
          'mhc_merge', 'rms_norm', 'rope_qkv', 'swiglu', 'linear_cross_entropy', 'shared_source'}
 assert set(ops) == every, sorted(ops)
 # N = 5 reads of N entries, and the entries' copies
@@ -192,12 +192,15 @@ assert ops['shared_source']['bytes'] == 4 * (5 * (3 * 5 + 2) + 2 * 5) * 4096 * 1
 # MSAR's (m = 4): the read's (3N + 2m)·P·d floats, the fuse's (3m + 5)·P·d
 assert ops['msar_read']['bytes'] == 4 * (3 * 5 + 2 * 4) * 4096 * 128, ops['msar_read']
 assert ops['msar_fuse']['bytes'] == 4 * (3 * 4 + 5) * 4096 * 128, ops['msar_fuse']
+assert ops['msar_block_read']['bytes'] == 4 * (3 * 5 + 4 * 4) * 4096 * 128, ops['msar_block_read']  # S = 2
 # and their FLOPs as the kernels run them (the count in bench/op_bench.cpp, per token, sum of the
 # kernels' lengths 24): the read 72d forward + 196d backward per source, the fuse 124d + 340d;
 # the floor is those FLOPs at the GEMM rate timed beside them. The other ops' FLOPs are not counted.
 assert ops['msar_read']['flops'] == (72 + 196) * 128 * 5 * 4096, ops['msar_read']
 assert ops['msar_fuse']['flops'] == (124 + 340) * 128 * 4096, ops['msar_fuse']
-for o in (ops['msar_read'], ops['msar_fuse']):
+# (the block's two reads: the expansions and transposes once, the streams' terms twice)
+assert ops['msar_block_read']['flops'] == (96 + 248) * 128 * 5 * 4096, ops['msar_block_read']
+for o in (ops['msar_read'], ops['msar_block_read'], ops['msar_fuse']):
   assert o['gemm_gflops'] > 0 and abs(o['flop_floor_ms'] - o['flops'] / o['gemm_gflops'] / 1e6) < 1e-9 * o['flop_floor_ms'], o
   assert abs(o['of_flop_floor'] - o['fused_ms'] / o['flop_floor_ms']) < 1e-9 * o['of_flop_floor'], o
 assert all(o['flops'] is None and o['of_flop_floor'] is None for k, o in ops.items() if not k.startswith('msar')), r

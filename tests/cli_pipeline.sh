@@ -59,6 +59,11 @@ train full_msar 4 --set residual.kind=msar --set residual.block_sublayers=1 --se
 train odd_dar 4 --set residual.kind=dar --set residual.block_sublayers=3 --set train.pipeline_stages=4
 train odd_one 1 --set residual.kind=dar --set residual.block_sublayers=3
 compare odd_dar odd_one --exact || fail "DAR with blocks across stage boundaries differs from one rank"
+# MSAR reads a block's branches at its first (msar_block_read): a stage that starts mid-block
+# reads the rest itself, and one that ends mid-block leaves its later reads unused.
+train odd_msar 4 --set residual.kind=msar --set residual.block_sublayers=3 --set train.pipeline_stages=4
+train odd_msar_one 1 --set residual.kind=msar --set residual.block_sublayers=3
+compare odd_msar odd_msar_one || fail "MSAR with blocks across stage boundaries differs from one rank"
 
 # The bytes sent forward over each boundary per micro-batch (summary.json), against the formula of
 # docs/design.md: per token, b·d·(w·(n(ℓ) − n(h)) + c(ℓ)) after branch ℓ, where the receiver holds

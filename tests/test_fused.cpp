@@ -213,7 +213,8 @@ TEST(SharedSource, TheReadsOfASourceShareOneBuffer) {
   EXPECT_TRUE(fused::shared_source(x).is_same(x));
 }
 
-// Every fused read of the history (depth_read with and without values, dar_read, msar_read) gives
+// Every fused read of the history (depth_read with and without values, dar_read, msar_read,
+// msar_block_read) gives
 // the same gradients whether its sources are shared or plain, in float64: with a source twice in
 // one read, the keys' list as the values', another consumer of a source, and a second backward
 // over the same graph (retain_graph), after a partial one.
@@ -242,6 +243,8 @@ TEST(SharedSource, GradientsEqualAutogradsSums) {
     total = total + r.h.pow(2).sum() + r.beta.sum();
     const std::vector<at::Tensor> banks = conv.unbind(0);
     total = total + std::get<0>(fused::msar_read(q, streams, banks, kKeyNormEps)).tanh().sum();
+    auto [outs, lses] = fused::msar_block_read({q, q * 0.5}, streams, banks, kKeyNormEps);
+    total = total + outs[0].sin().sum() + outs[1].cos().sum() + lses[1].sum();
     return total;
   };
   std::vector<at::Tensor> inputs = leaves;
@@ -433,6 +436,18 @@ std::vector<OperatorCase> operator_cases() {
     };
     cases.push_back({"linear_cross_entropy", loss(fused::linear_cross_entropy), loss(reference::linear_cross_entropy),
                      {randn({P, d}), randn({V, d}, 0.5)}});
+  }
+  // (Last: a case added before another changes that one's random inputs.)
+  {
+    auto read = [](auto op) {
+      return [op](const Inputs& t) {
+        auto [outs, lses] = op(t[0].unbind(0), t[1].unbind(0), t[2].unbind(0), kKeyNormEps, std::nullopt, 0);
+        outs.insert(outs.end(), lses.begin(), lses.end());
+        return outs;
+      };
+    };
+    cases.push_back({"msar_block_read", read(fused::msar_block_read), read(reference::msar_block_read),
+                     {randn({2, m, d}), randn({N, B, T, d}), randn({N, m - 1, d, K}, 0.5)}});
   }
   return cases;
 }

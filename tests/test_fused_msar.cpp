@@ -85,23 +85,41 @@ void expect_padding_without_gradient(const at::Tensor& conv_grad, const std::vec
 }
 
 // context: the sources' first positions are only windows (msar_ops.h); s.T counts all of them.
-void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_lengths = false, int64_t context = 0) {
-  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d + 11 * with_lengths + 13 * context;
+// queries > 1: msar_block_read of that many queries tensors (one block's branches) against the
+// reference's read of each.
+void compare_read(const Shape& s, at::ScalarType dtype, double rtol, bool with_lengths = false, int64_t context = 0,
+                  int64_t queries = 1) {
+  const uint64_t seed = s.m * 1000 + s.N * 100 + s.T * 10 + s.d + 11 * with_lengths + 13 * context + 17 * (queries - 1);
   auto g = generator(seed);
   const auto opt = at::TensorOptions().dtype(dtype);
-  std::vector<at::Tensor> in = {at::randn({s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
+  std::vector<at::Tensor> in = {at::randn({queries, s.m, s.d}, g, opt) * 1.5, at::randn({s.N, s.B, s.T, s.d}, g, opt),
                                 at::randn({s.N, s.m - 1, s.d, s.K}, g, opt) * 0.5};
   // A shorter kernel: zero-padded taps (skipped by the kernel where exact; their gradient is not zero).
   if (s.m > 1 && s.K > 2 && !with_lengths) in[2][0][0].narrow(-1, s.K - 2, 2).zero_();
   const auto lengths = lengths_of(s, with_lengths);
   auto read = [&lengths, context](auto op) {
     return [op, &lengths, context](const std::vector<at::Tensor>& t) {
-      auto [out, lse] = op(t[0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths), context);
+      auto [out, lse] = op(t[0][0], t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths), context);
       return std::vector<at::Tensor>{out, lse};
     };
   };
-  Compared c = compare(in, read(fused::msar_read), read(reference::msar_read), rtol, {"out", "log-partition"},
-                       {"queries", "sources", "conv"}, seed + 5);
+  auto block_read = [&lengths, context](auto op) {
+    return [op, &lengths, context](const std::vector<at::Tensor>& t) {
+      auto [outs, lses] = op(t[0].unbind(0), t[1].unbind(0), t[2].unbind(0), kKeyNormEps, view(lengths), context);
+      outs.insert(outs.end(), lses.begin(), lses.end());
+      return outs;
+    };
+  };
+  std::vector<std::string> names = {"out", "log-partition"};
+  if (queries > 1) {
+    names.clear();
+    for (const char* what : {"out ", "log-partition "})
+      for (int64_t j = 0; j < queries; ++j) names.push_back(cat(what, j));
+  }
+  Compared c = queries == 1 ? compare(in, read(fused::msar_read), read(reference::msar_read), rtol, names,
+                                      {"queries", "sources", "conv"}, seed + 5)
+                            : compare(in, block_read(fused::msar_block_read), block_read(reference::msar_block_read),
+                                      rtol, names, {"queries", "sources", "conv"}, seed + 5);
   if (lengths && s.m > 1) expect_padding_without_gradient(c.fused_inputs[2].grad(), *lengths);
 }
 
@@ -156,6 +174,53 @@ TEST(FusedMsarRead, EqualsReferenceFloat32) {
     SCOPED_TRACE(describe(s));
     compare_read(s, at::kFloat, 1e-5);
   }
+}
+
+// A block's reads at once (msar_block_read, 3 branches): each equals the reference's read.
+TEST(FusedMsarBlockRead, EqualsReferenceFloat64AndFloat32) {
+  for (const Shape& s : kShapes)
+    for (bool with_lengths : {false, true}) {
+      SCOPED_TRACE(describe(s) + (with_lengths ? " with kernel lengths" : ""));
+      compare_read(s, at::kDouble, 1e-10, with_lengths, 0, 3);
+      compare_read(s, at::kFloat, 1e-5, with_lengths, 0, 3);
+      if (s.T > 1) compare_read(s, at::kDouble, 1e-10, with_lengths, s.T - 1, 3);  // a decoding step's context
+    }
+}
+
+// Batching the reads changes nothing but the order of the sums over the queries: each query's out,
+// ζ and ∂q are those of its own msar_read, bit for bit; ∂x and ∂c, sums over the queries, agree to
+// rounding.
+TEST(FusedMsarBlockRead, EqualsOneReadPerQuery) {
+  const Shape s{4, 3, 2, 37, 16, 12};
+  auto g = generator(41);
+  const auto opt = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q = at::randn({2, s.m, s.d}, g, opt) * 1.5, x = at::randn({s.N, s.B, s.T, s.d}, g, opt),
+                   c = at::randn({s.N, s.m - 1, s.d, s.K}, g, opt) * 0.5;
+  const std::vector<int64_t> lengths = {4, 8, 12};
+  auto leaves = [&] {
+    return std::vector<at::Tensor>{q.clone().requires_grad_(), x.clone().requires_grad_(), c.clone().requires_grad_()};
+  };
+  const std::vector<at::Tensor> batched = leaves(), single = leaves();
+  auto [outs, lses] = fused::msar_block_read(batched[0].unbind(0), batched[1].unbind(0), batched[2].unbind(0),
+                                             kKeyNormEps, lengths);
+  std::vector<at::Tensor> one_outs, one_lses;
+  for (int64_t j = 0; j < 2; ++j) {
+    auto [o, l] = fused::msar_read(single[0][j], single[1].unbind(0), single[2].unbind(0), kKeyNormEps, lengths);
+    one_outs.push_back(o);
+    one_lses.push_back(l);
+  }
+  at::Tensor loss_b = at::zeros({}, opt), loss_s = at::zeros({}, opt);
+  for (int64_t j = 0; j < 2; ++j) {
+    EXPECT_TRUE(outs[j].equal(one_outs[j])) << "out " << j;
+    EXPECT_TRUE(lses[j].equal(one_lses[j])) << "log-partition " << j;
+    const at::Tensor w = at::randn(outs[j].sizes(), g, opt), v = at::randn(lses[j].sizes(), g, opt);
+    loss_b = loss_b + (outs[j] * w).sum() + (lses[j] * v).sum();
+    loss_s = loss_s + (one_outs[j] * w).sum() + (one_lses[j] * v).sum();
+  }
+  loss_b.backward();
+  loss_s.backward();
+  EXPECT_TRUE(batched[0].grad().equal(single[0].grad())) << "d queries";
+  for (size_t i : {1, 2}) EXPECT_TRUE(near(batched[i].grad(), single[i].grad(), 1e-12, i == 1 ? "d sources" : "d conv"));
 }
 
 // The kernels' lengths given (the pathway passes them): the padding past them, set to random values
@@ -247,6 +312,7 @@ TEST(FusedMsar, SplitAcrossThreadsEqualsReference) {
   const Shape s{4, 3, 7, 143, 24, 5};
   for (auto [dtype, rtol] : {std::pair{at::kDouble, 1e-10}, std::pair{at::kFloat, 1e-5}}) {
     compare_read(s, dtype, rtol);
+    compare_read(s, dtype, rtol, true, 0, 2);
     for (bool with_partial : {false, true}) compare_fuse(s, with_partial, true, dtype, rtol);
   }
 }

@@ -269,7 +269,7 @@ TEST(KernelChoice, PathwaysChooseByTheModelsDevice) {
       {"attnres", {"depth_read"}},
       {"attnres_sepv", {"depth_read"}},
       {"dar", {"dar_read", "dar_write", "depth_read"}},
-      {"msar", {"msar_fuse", "msar_read"}},
+      {"msar", {"msar_block_read", "msar_fuse"}},
       {"mhc", {"mhc_merge", "mhc_pre", "mhc_sinkhorn"}},
       {"attnres_mhc", {"depth_read", "mhc_merge", "mhc_pre", "mhc_sinkhorn"}}};
   for (const auto& kind : pathway_kind_names()) EXPECT_TRUE(expected.count(kind)) << kind << " has no expected operators";

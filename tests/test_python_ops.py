@@ -281,6 +281,24 @@ def check_msar_read(ops):
                           lambda q, *t: msar_read(q, t[:N], t[N:], lengths), [q, *x, *c], 2)
 
 
+def check_msar_block_read(ops):
+    """A block's S = 3 reads of the same sources at once: each equals its own msar_read of the
+    equations; outputs (out_0, out_1, out_2, ζ_0, ζ_1, ζ_2), all differentiated."""
+    m, N, B, T, d, K, S = 3, 2, 2, 4, 5, 3, 3
+    qs, x, c = [randn(m, d, scale=1.5) for _ in range(S)], randn(N, B, T, d), randn(N, m - 1, d, K, scale=0.5)
+    lengths = [2, 3]
+
+    def fused(*t):
+        outs, lses = ops.msar_block_read(t[:S], t[S:S + N], t[S + N:], EPS, lengths)
+        return (*outs, *lses)
+
+    def composed(*t):
+        reads = [msar_read(q, t[S:S + N], t[S + N:], lengths) for q in t[:S]]
+        return (*(r[0] for r in reads), *(r[1] for r in reads))
+
+    expect_same_gradients("msar_block_read, kernel lengths", fused, composed, [*qs, *x, *c], 2 * S)
+
+
 def check_msar_fuse(ops):
     m, N, B, T, d, K = 3, 2, 2, 4, 5, 3
     q, x, c = randn(m, d, scale=1.5), randn(N, B, T, d), randn(N, m - 1, d, K, scale=0.5)

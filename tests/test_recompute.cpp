@@ -30,13 +30,14 @@ namespace {
 struct Variant {
   std::string kind;
   bool moe = false, shared = false, bf16 = false, full = false;  // full: blocks of one branch (S = 1)
+  bool wide = false;  // blocks of 4 branches, each across two layers (MSAR keeps a block's reads between them)
 };
 
 Config variant_config(const Variant& v) {
   Config c = small_config("unused");
   c.model.n_layers = 3;
   c.residual.kind = v.kind;
-  c.residual.block_sublayers = v.full ? 1 : 2;
+  c.residual.block_sublayers = v.full ? 1 : v.wide ? 4 : 2;
   c.residual.share_within_block = v.shared;
   if (v.moe) {
     c.model.moe.n_experts = 4;
@@ -72,8 +73,10 @@ TEST(Recompute, GradientsBitIdenticalForEveryKindAndMode) {
   variants.push_back({"dar", true, false, /*bf16=*/true});
   variants.push_back({"msar", false, false, /*bf16=*/true});
   for (const char* kind : {"attnres", "dar", "msar"}) variants.push_back({kind, false, false, false, /*full=*/true});
+  variants.push_back({"msar", false, false, false, false, /*wide=*/true});
   for (const Variant& v : variants) {
-    SCOPED_TRACE(cat(v.kind, v.moe ? " moe" : " dense", v.shared ? " shared" : "", v.bf16 ? " bf16" : "", v.full ? " full" : ""));
+    SCOPED_TRACE(cat(v.kind, v.moe ? " moe" : " dense", v.shared ? " shared" : "", v.bf16 ? " bf16" : "", v.full ? " full" : "",
+                     v.wide ? " S = 4" : ""));
     const Config c = variant_config(v);
     Transformer m(c.model, c.residual, at::kCPU, 7, at::kFloat,
                   v.bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);

@@ -229,11 +229,18 @@ def _check_kernel_lengths(lengths, L, K, op):
                  " (the padded kernel)")
 
 
-def _check_msar_read(q, x, c, lengths):
+def _check_msar_read(queries, x, c, lengths):
+    """queries: the list of msar_block_read ([queries] for msar_read)."""
+    _require(len(queries) > 0, "msar_read: needs at least one query tensor")
     _require(len(x) > 0, "msar_read: needs at least one source")
+    q = queries[0]
     _require(q.dim() == 2 and x[0].dim() == 3, "msar_read: expected queries [m, d], sources [B, T, d] each")
     m, d = q.shape
     _require(m >= 1, "msar_read: needs at least one stream")
+    for j, qj in enumerate(queries[1:], 1):
+        _require(_same_shape(qj, q.shape), "msar_read: queries ", j, " are ", _shape(qj.shape), ", queries 0 ",
+                 _shape(q.shape))
+        _require(qj.dtype == q.dtype, "msar_read: every queries tensor must share a dtype")
     _require(x[0].shape[2] == d, "msar_read: queries have d = ", d, ", sources d = ", x[0].shape[2])
     _require(len(c) == len(x), "msar_read: ", len(x), " sources and ", len(c), " banks (conv)")
     for n, (xn, cn) in enumerate(zip(x, c)):
@@ -249,26 +256,49 @@ def _check_msar_read(q, x, c, lengths):
 
 @_register("msar_read")
 def _msar_read(queries, sources, conv, eps, kernel_lengths=None, context=0):
+    outs, lses = _msar_block_read([queries], sources, conv, eps, kernel_lengths, context)
+    return outs[0], lses[0]
+
+
+@_register("msar_block_read")
+def _msar_block_read(queries, sources, conv, eps, kernel_lengths=None, context=0):
     _check_msar_read(queries, sources, conv, kernel_lengths)
-    m = queries.shape[0]
+    m = queries[0].shape[0]
     B, T, d = sources[0].shape
     _require(0 <= context and context < T, "msar_read: context = ", context, " must leave a position of the sources' T = ",
              T, " (0 <= context < T)")
-    # The m streams' reads (eq. 11–12) of the positions after the context (the windows' rows):
-    # out [m, B, T − context, d], ζ [m, B, T − context] in the accumulation dtype.
-    return (sources[0].new_empty((m, B, T - context, d)),
-            sources[0].new_empty((m, B, T - context), dtype=_acc(queries.dtype)))
+    # Per queries tensor, the m streams' reads (eq. 11–12) of the positions after the context (the
+    # windows' rows): out [m, B, T − context, d], ζ [m, B, T − context] in the accumulation dtype.
+    return ([sources[0].new_empty((m, B, T - context, d)) for _ in queries],
+            [sources[0].new_empty((m, B, T - context), dtype=_acc(queries[0].dtype)) for _ in queries])
 
 
 @_register("msar_read_backward")
 def _msar_read_backward(grad_out, grad_log_partition, queries, sources, conv, log_partition, eps, kernel_lengths,
                         grad_sources):
+    gq, gc = _msar_block_read_backward([grad_out], [grad_log_partition], [queries], sources, conv, [log_partition],
+                                       eps, kernel_lengths, grad_sources)
+    return queries.new_empty(queries.shape), gc
+
+
+@_register("msar_block_read_backward")
+def _msar_block_read_backward(grad_out, grad_log_partition, queries, sources, conv, log_partition, eps, kernel_lengths,
+                              grad_sources):
     _check_msar_read(queries, sources, conv, kernel_lengths)
+    S = len(queries)
+    _require(len(grad_out) == S and len(grad_log_partition) == S and len(log_partition) == S, "msar_read_backward: ", S,
+             " queries, ", len(grad_out), " grad_out, ", len(grad_log_partition), " grad_log_partition and ",
+             len(log_partition), " log_partition")
+    m = queries[0].shape[0]
     B, T, d = sources[0].shape
+    for j, lse in enumerate(log_partition):
+        _require(_same_shape(lse, (m, B, T)), "msar_read_backward: log_partition ", j, " is ", _shape(lse.shape),
+                 ", expected [m, B, T] = [", m, ", ", B, ", ", T, "]")
     _check_gradient_buffers("msar_read_backward: grad_sources", grad_sources, len(sources), (B, T, d),
-                            _acc(queries.dtype))
-    # ∂q [m, d]; the banks' gradients stacked [N, m − 1, d, K]; the sources' go into the buffers.
-    return queries.new_empty(queries.shape), queries.new_empty((len(conv), *conv[0].shape))
+                            _acc(queries[0].dtype))
+    # ∂q stacked [S, m, d]; the banks' gradients stacked [N, m − 1, d, K]; the sources' go into
+    # the buffers.
+    return queries[0].new_empty((S, *queries[0].shape)), queries[0].new_empty((len(conv), *conv[0].shape))
 
 
 def _check_msar_fuse(out, lse, q, partial, partial_conv, w_pre, b_pre, alpha_pre, lengths, context=0):

@@ -217,7 +217,7 @@ def test_a_device_without_the_kernels_is_one_clear_error():
     on_cuda = SimpleNamespace(device=torch.device("cuda"))
     dn.make("attnres", D, 4).check_device(on_cuda)  # depth_read: has its CUDA kernels
     dn.make("residual", D, 4).check_device(on_cuda)
-    for kind, op in [("dar", "dar_read"), ("msar", "msar_read"), ("mhc", "mhc_pre"), ("attnres_mhc", "mhc_pre")]:
+    for kind, op in [("dar", "dar_read"), ("msar", "msar_block_read"), ("mhc", "mhc_pre"), ("attnres_mhc", "mhc_pre")]:
         with pytest.raises(RuntimeError, match=f"depthkit::{op} has no CUDA kernel"):
             dn.make(kind, D, 4).check_device(on_cuda)
 

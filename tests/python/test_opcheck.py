@@ -1,8 +1,8 @@
 """The depthkit operators under PyTorch's tracing tools: torch.library.opcheck (schema, autograd
 registration, fake implementation against the kernel, AOT dispatch with dynamic shapes) for every
 registered operator in float32 and float64 on several shapes and edge cases; torch.compile with
-fullgraph=True of a function that runs every forward operator (the 13 fused ones and
-shared_source; so the 13 backward ones in its backward), with one graph, no break, and outputs
+fullgraph=True of a function that runs every forward operator (the 14 fused ones and
+shared_source; so the 14 backward ones in its backward), with one graph, no break, and outputs
 and gradients equal to eager; torch.export of a module that uses them; and bad inputs that fail
 as RuntimeErrors with one and the same line, from the kernel in eager mode and from the fake
 implementation while tracing.
@@ -158,6 +158,29 @@ MSAR_READ_CONTEXT = [("decoding-step", msar_read_context_case(4, 2, 2, 12, 4, 12
                      ("two-new-positions", msar_read_context_case(3, 1, 1, 5, 4, 3, None, 3))]
 
 
+def msar_block_read_case(S, forward):
+    """msar_read's case read by S queries tensors (the branches of one block)."""
+    def build(dtype):
+        q, *rest = forward(dtype)
+        return ([q] + [leaf(dtype, *q.shape, scale=1.5) for _ in range(S - 1)], *rest)
+    return build
+
+
+MSAR_BLOCK_READ = [(f"{name}-3-queries", msar_block_read_case(3, build)) for name, build in MSAR_READ + MSAR_READ_CONTEXT]
+
+
+def msar_block_read_backward_case(forward, grads):
+    """grads: per queries tensor, whether its out and its ζ have a gradient."""
+    def build(dtype):
+        qs, sources, conv, eps, lengths = detached(forward(dtype))
+        outs, lses = ops.msar_block_read(qs, sources, conv, eps, lengths)
+        g_out = [composed.randn(*o.shape).to(dtype) if given[0] else None for o, given in zip(outs, grads)]
+        g_lse = [composed.randn(*l.shape).to(l.dtype) if given[1] else None for l, given in zip(lses, grads)]
+        buffers = zeros(len(sources), sources[0].shape, acc(dtype))
+        return (g_out, g_lse, qs, sources, conv, lses, eps, lengths, buffers)
+    return build
+
+
 def msar_read_backward_case(forward, grad_lse):
     def build(dtype):
         q, sources, conv, eps, lengths = detached(forward(dtype))
@@ -303,6 +326,11 @@ CASES = {
     "msar_read": MSAR_READ + MSAR_READ_CONTEXT,
     "msar_read_backward": [("longest-kappa", msar_read_backward_case(MSAR_READ[0][1], True)),
                            ("1-source-1-token-no-lse-grad", msar_read_backward_case(MSAR_READ[1][1], False))],
+    "msar_block_read": MSAR_BLOCK_READ,
+    "msar_block_read_backward": [
+        ("longest-kappa", msar_block_read_backward_case(MSAR_BLOCK_READ[0][1], [(True, True)] * 3)),
+        ("1-source-1-token-partial-grads",
+         msar_block_read_backward_case(MSAR_BLOCK_READ[1][1], [(True, False), (False, True), (False, False)]))],
     "msar_fuse": MSAR_FUSE + MSAR_FUSE_CONTEXT,
     "msar_fuse_backward": renamed(MSAR_FUSE, lambda f: backward_of(f, [lambda a: a[0].shape[1:]])),
     "mhc_pre": MHC_PRE,
@@ -356,7 +384,7 @@ class Pathways(torch.nn.Module):
     """A small function of every forward operator, as a model would chain them: the backbone's
     norm, RoPE'd q/k/v, SwiGLU and loss around an AttnRes read with its partial merged in, DAR's
     read and write (both block positions; x a shared source of both reads), MSAR's read and fusion
-    (with kernel lengths), and mHC's pre-mix, Sinkhorn and merge over 4 streams. x [B, T, d],
+    (with kernel lengths; a block's two reads at once, the first's outputs unused), and mHC's pre-mix, Sinkhorn and merge over 4 streams. x [B, T, d],
     targets [B, T]."""
 
     def __init__(self, d=4, vocab=7, max_len=16, dtype=torch.float64):
@@ -368,7 +396,8 @@ class Pathways(torch.nn.Module):
 
         m, n = 4, 4 * 4 + 2 * 4  # mHC streams and their m² + 2m logits
         self.norm, self.qkv, self.up = param(d, scale=0.3), param(4 * d, d, scale=0.5), param(2 * d, d, scale=0.5)
-        self.q_read, self.q_dar, self.q_msar = param(1, d), param(2, d), param(3, d, scale=1.5)
+        self.q_read, self.q_dar, self.q_msar, self.q_msar2 = (param(1, d), param(2, d), param(3, d, scale=1.5),
+                                                              param(3, d, scale=1.5))
         self.w_alpha, self.b_alpha, self.w_beta, self.b_beta = (param(2, 2 * d, scale=0.7), param(2),
                                                                 param(2, 2 * d, scale=0.7), param(2))
         self.w_rho, self.b_rho = param(1, 2 * d), param(1)
@@ -397,6 +426,10 @@ class Pathways(torch.nn.Module):
         mo, mlse = ops.msar_read(self.q_msar, [x, f], [self.conv0, self.conv1], EPS, [2, 3])
         z = ops.msar_fuse(mo, mlse, self.q_msar, p0.reshape(B, T, d), self.conv_part, self.w_pre, self.b_pre,
                           self.alpha_pre, EPS, [2, 3])
+        # A block's two branches reading the same sources at once (the pathway's phase 1).
+        (_, mo2), (_, mlse2) = ops.msar_block_read([self.q_msar, self.q_msar2], [x, f], [self.conv0, self.conv1], EPS,
+                                                   [2, 3])
+        z = z + ops.msar_fuse(mo2, mlse2, self.q_msar2, None, None, None, None, None, EPS, [2, 3])
         streams = torch.stack([x, f, z, p1.reshape(B, T, d)], 2)
         h_pre, h_post, res_logits, _ = ops.mhc_pre(streams, self.phi, self.mhc_bias, self.mhc_scale, EPS)
         merged = ops.mhc_merge(streams, h_pre, h_post, ops.mhc_sinkhorn(res_logits, 5))
@@ -444,7 +477,7 @@ def test_compile_fullgraph_dynamic():
     """One graph, no break, across two sequence lengths (dynamic shapes, so the fake
     implementations and the Autograd kernels run on symbolic sizes), through AOTAutograd and
     functionalization (the mutating backward operators are auto-functionalized); its forward
-    graph runs the 14 forward operators and its backward graph the 13 backward ones; outputs and
+    graph runs the 15 forward operators and its backward graph the 14 backward ones; outputs and
     gradients equal eager."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -550,6 +583,8 @@ BAD_CALLS = [
      "msar_read: kernel_lengths[1] = 4 is outside 1 ... K = 3 (the padded kernel)"),
     ("msar_read", lambda: (t(3, 4), [t(1, 5, 4)], [t(3, 4, 3)], EPS, None),
      "msar_read: conv 0 is [3, 4, 3], expected [m - 1, d, K] = [2, 4, K >= 1] as conv 0"),
+    ("msar_block_read", lambda: ([t(3, 4), t(2, 4)], [t(1, 5, 4)], [t(2, 4, 3)], EPS, None),
+     "msar_read: queries 1 are [2, 4], queries 0 [3, 4]"),
     ("msar_fuse", lambda: (t(3, 1, 5, 4), t(3, 1, 5), t(3, 4), None, None, t(3, 12), None, None, EPS, None),
      "msar_fuse: w_pre, b_pre and alpha_pre come together (none of them: mean fusion)"),
     ("mhc_pre", lambda: (t(2, 4, 3), t(24, 11), t(24), t(3), EPS),

@@ -41,8 +41,8 @@ def test_import_registers_the_operators_and_nothing_heavy():
     r = run_python(code)
     assert r.returncode == 0, r.stderr
     count, heavy = r.stdout.split(" ", 1)
-    # 13 fused operators, their 13 backward operators, shared_source
-    assert int(count) == 27 and heavy.strip() == "[]", r.stdout
+    # 14 fused operators, their 14 backward operators, shared_source
+    assert int(count) == 29 and heavy.strip() == "[]", r.stdout
 
 
 def test_a_missing_library_is_an_import_error():

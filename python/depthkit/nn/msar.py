@@ -1,13 +1,13 @@
 """Multi-Stream Attention Residuals (MSAR eq. 9–17, Appendix C): the fused path of
-pathways/msar.cpp, on depthkit::msar_read and depthkit::msar_fuse.
+pathways/msar.cpp, on depthkit::msar_block_read and depthkit::msar_fuse.
 
 Sources are single-stream, as in AttnRes: the embedding, then each completed block's sum of branch
 outputs (eq. 15; S = 1: each branch output, Full MSAR). A read expands each source into m streams
 by causal depthwise convolutions (eq. 9–10):
   v⁽⁰⁾ = v,   v⁽ʳ⁾_t = Σ_{δ<κ_r} c_{r,δ} ⊙ v_{t−δ}   (zero before position 0), r = 1 … m−1,
 and reads stream r by depth attention with its own pseudo-query, keys = values = the expanded
-sources (eq. 11–12): msar_read over the raw sources and their banks (the expansions are never
-stored). msar_fuse merges the block's partial, expanded by bank ℓ−1, by online softmax (eq. 17;
+sources (eq. 11–12): msar_block_read over the raw sources and their banks, for all of a block's
+branches at once (the expansions are never stored). msar_fuse merges the block's partial, expanded by bank ℓ−1, by online softmax (eq. 17;
 absent at a block's first branch) and fuses the m retrieved states Z (eq. 13–14):
   H_pre = σ(α_pre · Norm(flatten Z) W_preᵀ + b_pre),   h_ℓ = Σ_r H_pre[r] z⁽ʳ⁾   (or their mean).
 The final hidden state is the residual merge of the last branch, h_L + f_L(h_L) (§3.2).
@@ -38,6 +38,7 @@ class _Sources:
         self.partial: Tensor | None = None  # the current block's sum; None at a block's start
         self.last_input: Tensor | None = None  # h_ℓ of the last read
         self.last_output: Tensor | None = None  # f_ℓ(h_ℓ) of the last write
+        self.block: dict[int, tuple[Tensor, Tensor]] = {}  # phase 1 of the block's branches yet to read
 
 
 class MSAR(Pathway):
@@ -45,7 +46,7 @@ class MSAR(Pathway):
 
     kind = "msar"
     OPTIONS = ("block_sublayers", "streams", "kernels", "conv", "conv_init", "fusion")
-    OPERATORS = ("msar_read", "msar_fuse", "shared_source")
+    OPERATORS = ("msar_block_read", "msar_fuse", "shared_source")
 
     def __init__(self, d_model: int, n_branches: int, *, block_sublayers: int = 2, streams: int = 4,
                  kernels=(4, 8, 12), conv: bool = True, conv_init: str = "zeros", fusion: str = "hpre",
@@ -124,9 +125,16 @@ class MSAR(Pathway):
         b = getattr(self, str(l))
         e = s.raw[0]  # the parameters in the activations' dtype: the operators take one dtype
         queries = cast_like(b.queries, e)
-        # Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
-        out, lse = torch.ops.depthkit.msar_read(queries, s.raw, [cast_like(t, e) for t in s.taps], KEY_NORM_EPS,
-                                                self._lengths)
+        # Phase 1 over the completed sources, expanded by their banks (eq. 10–12), for this branch
+        # and the rest of its block at once (their sources are the same, MSAR §3.4): made by the
+        # block's first read, taken by each branch.
+        if l not in s.block:
+            last = min(self.schedule.block_of(l) * self.schedule.size, self.n_branches)
+            outs, lses = torch.ops.depthkit.msar_block_read(
+                [cast_like(getattr(self, str(k)).queries, e) for k in range(l, last + 1)], s.raw,
+                [cast_like(t, e) for t in s.taps], KEY_NORM_EPS, self._lengths)
+            s.block = {k: read for k, read in zip(range(l, last + 1), zip(outs, lses))}
+        out, lse = s.block.pop(l)
         # Phase 2: the partial expanded by bank ℓ−1 (none at a block's first branch), then the H_pre
         # fusion (eq. 13–14) or the mean.
         opens = self.schedule.opens(l)

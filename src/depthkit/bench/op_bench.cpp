@@ -90,9 +90,10 @@ struct Case {
 // (multiply-add = 2; Σκ the kernels' lengths summed, the identity stream's none; per token):
 // msar_read, per source: forward 2Σκ d (expansions) + m·6d (Σv², q·v, the value sum); backward
 // 2Σκ d (the expansions again: they are never stored) + m·13d (Σv², q·v, g·v; ∂v = w g + β q − γ v;
-// ∂q) + 4Σκ d (the two transposes, ∂x and ∂c).
-double msar_read_flops(int64_t m, int64_t kernel_sum, int64_t N, int64_t P, int64_t d) {
-  return double(N) * double(P) * double(d) * double(2 * kernel_sum + 6 * m + 2 * kernel_sum + 13 * m + 4 * kernel_sum);
+// ∂q) + 4Σκ d (the two transposes, ∂x and ∂c). msar_block_read of S queries tensors: the
+// expansions and the transposes once, the m-stream terms S times.
+double msar_read_flops(int64_t m, int64_t kernel_sum, int64_t N, int64_t P, int64_t d, int64_t S = 1) {
+  return double(N) * double(P) * double(d) * double(2 * kernel_sum + S * 6 * m + 2 * kernel_sum + S * 13 * m + 4 * kernel_sum);
 }
 // msar_fuse with the partial and H_pre: forward 2Σκ d (the partial's expansions) + m·11d (Σv²,
 // q·v; z = λ out + (1 − λ) v; Σz²; h = Σ π z) + 2m²d (y = W_pre z); backward the merge and gates
@@ -238,6 +239,20 @@ std::vector<Case> cases(const Shape& s, at::Generator& g) {
                    // forward: sources in, the m streams' out; backward: ∂out, sources in, ∂sources
                    F * (3 * N + 2 * m) * P * d});
     out.back().flops = msar_read_flops(m, kernel_sum, N, P, d);
+    // The reads of a block of S = 2 branches (configs' block_sublayers = 2) at once.
+    std::vector<at::Tensor> tb = {leaf({m, d}, 0.5), leaf({m, d}, 0.5)};
+    tb.insert(tb.end(), t.begin() + 1, t.end());
+    auto block_read = [=](auto op) {
+      return [=] {
+        auto [o, lse] = op({tb[0], tb[1]}, sources, banks, kKeyNormEps, lengths, 0);
+        return Outputs{o[0], o[1], lse[0], lse[1]};
+      };
+    };
+    out.push_back({"msar_block_read", tb, block_read(fused::msar_block_read), block_read(reference::msar_block_read),
+                   {cotangent({m, B, T, d}), cotangent({m, B, T, d}), cotangent({m, B, T}), cotangent({m, B, T})},
+                   // forward: sources in, 2 × the m streams' out; backward: 2 × ∂out, sources in, ∂sources
+                   F * (3 * N + 4 * m) * P * d});
+    out.back().flops = msar_read_flops(m, kernel_sum, N, P, d, 2);
     std::vector<at::Tensor> u = {leaf({m, B, T, d}), leaf({m, B, T}), leaf({m, d}, 0.5), leaf({B, T, d}),
                                  bank(1).squeeze(0).detach().requires_grad_(), leaf({m, m * d}, 0.02), leaf({m}),
                                  leaf({1}, 0.5)};

@@ -7,9 +7,15 @@
 //   depthkit::msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial,
 //                       Tensor? partial_conv, Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps,
 //                       int[]? kernel_lengths=None, int context=0) -> Tensor
-//   and their *_backward operators. msar_read_backward adds the sources' gradients into the buffers
+//   depthkit::msar_block_read(Tensor[] queries, Tensor[] sources, Tensor[] conv, float eps,
+//                             int[]? kernel_lengths=None, int context=0) -> (Tensor[] out, Tensor[] log_partition)
+//   and their *_backward operators. msar_block_read is msar_read for the S branches of one block
+//   (one queries tensor each), which read the same sources: each expansion is computed once for
+//   them all, in the forward and in the backward (MSAR §3.4, phase 1 batched over a block's
+//   targets); msar_read is its S = 1 case, on the same kernels. msar_read_backward adds the sources' gradients into the buffers
 //   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and of the
-//   banks, the latter stacked [N, m − 1, d, K]: a mutating operator's outputs must be single
+//   banks, the latter stacked [N, m − 1, d, K] (msar_block_read_backward: the queries' stacked
+//   [S, m, d] too): a mutating operator's outputs must be single
 //   tensors for torch.compile's functionalization (auto_functionalized) to take it.
 //
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
@@ -48,6 +54,13 @@ using ReadSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::Tensor
 using ReadBackSig = std::tuple<at::Tensor, at::Tensor>(const OptTensor&, const OptTensor&, const at::Tensor&,
                                                         at::TensorList, at::TensorList, const at::Tensor&, double,
                                                         Lengths, at::TensorList);
+using BlockReadSig = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>>(at::TensorList, at::TensorList,
+                                                                                 at::TensorList, double, Lengths,
+                                                                                 int64_t);
+using OptTensors = c10::List<OptTensor>;
+using BlockReadBackSig = std::tuple<at::Tensor, at::Tensor>(const OptTensors&, const OptTensors&, at::TensorList,
+                                                             at::TensorList, at::TensorList, at::TensorList, double,
+                                                             Lengths, at::TensorList);
 using FuseSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                            const OptTensor&, const OptTensor&, const OptTensor&, double, Lengths, int64_t);
 using FuseBackOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
@@ -79,12 +92,37 @@ constexpr double kNoWeight = std::numeric_limits<double>::infinity();  // ζ of 
 
 // The banks' gradients stacked into one [N, m − 1, d, K] tensor (the kernel's are transposed
 // views of one buffer, one per source): a parameter-sized copy.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read_cpu(at::TensorList q, at::TensorList x,
+                                                                                 at::TensorList c, double eps,
+                                                                                 Lengths lengths, int64_t context) {
+  return cpu::msar_read_forward(q, x, c, eps, lengths, context);
+}
+
+std::tuple<at::Tensor, at::Tensor> msar_block_read_backward_cpu(const OptTensors& grad_out, const OptTensors& grad_lse,
+                                                                at::TensorList q, at::TensorList x, at::TensorList c,
+                                                                at::TensorList lse, double eps, Lengths lengths,
+                                                                at::TensorList grad_sources) {
+  std::vector<at::Tensor> go, gl;
+  for (const OptTensor& g : grad_out.vec()) go.push_back(unwrap(g));
+  for (const OptTensor& g : grad_lse.vec()) gl.push_back(unwrap(g));
+  auto [gq, gc] = cpu::msar_read_backward(go, gl, q, x, c, lse, eps, lengths, grad_sources);
+  return {gq, at::stack(gc)};
+}
+
+// msar_read: msar_block_read's kernels for one queries tensor.
+std::tuple<at::Tensor, at::Tensor> msar_read_cpu(const at::Tensor& q, at::TensorList x, at::TensorList c, double eps,
+                                                 Lengths lengths, int64_t context) {
+  auto [out, lse] = cpu::msar_read_forward({q}, x, c, eps, lengths, context);
+  return {out[0], lse[0]};
+}
+
 std::tuple<at::Tensor, at::Tensor> msar_read_backward_cpu(const OptTensor& grad_out, const OptTensor& grad_lse,
                                                           const at::Tensor& q, at::TensorList x, at::TensorList c,
                                                           const at::Tensor& lse, double eps, Lengths lengths,
                                                           at::TensorList grad_sources) {
-  auto [gq, gc] = cpu::msar_read_backward(grad_out, grad_lse, q, x, c, lse, eps, lengths, grad_sources);
-  return {gq, at::stack(gc)};
+  auto [gq, gc] = cpu::msar_read_backward({unwrap(grad_out)}, {unwrap(grad_lse)}, {q}, x, c, {lse}, eps, lengths,
+                                          grad_sources);
+  return {gq[0], at::stack(gc)};
 }
 
 FuseBackOut msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out, const at::Tensor& lse,
@@ -126,6 +164,55 @@ class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
                               ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
     // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
     variable_list out = {gq};
+    for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
+    for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
+    out.insert(out.end(), 3, at::Tensor());  // eps, lengths, context
+    return out;
+  }
+};
+
+// msar_block_read's: as MsarReadFunction, for S queries tensors, outputs (out_0 … out_{S−1},
+// ζ_0 … ζ_{S−1}). Its backward runs once, when every branch of the block has given its gradients.
+class MsarBlockReadFunction : public torch::autograd::Function<MsarBlockReadFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, at::TensorList q, at::TensorList x, at::TensorList c, double eps,
+                               Lengths lengths, int64_t context) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto read = op<BlockReadSig>("depthkit::msar_block_read");
+    auto [out, lse] = read.call(q, x, c, eps, lengths, context);
+    variable_list saved(q.begin(), q.end());  // then ζ, the sources and their banks; not `out`
+    saved.insert(saved.end(), lse.begin(), lse.end());
+    saved.insert(saved.end(), x.begin(), x.end());
+    saved.insert(saved.end(), c.begin(), c.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["queries"] = int64_t(q.size());
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["lengths"] = keep(lengths);
+    ctx->saved_data["context"] = context;
+    variable_list outputs = out;
+    outputs.insert(outputs.end(), lse.begin(), lse.end());
+    return outputs;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto back = op<BlockReadBackSig>("depthkit::msar_block_read_backward");
+    auto s = ctx->get_saved_variables();
+    const int64_t S = ctx->saved_data["queries"].toInt(), N = (int64_t(s.size()) - 2 * S) / 2;
+    const auto lengths = kept(ctx->saved_data["lengths"]);
+    const int64_t context = ctx->saved_data["context"].toInt();
+    const at::TensorList all(s), queries = all.slice(0, S), sources = all.slice(2 * S, N);
+    const SourceGradients gx = source_gradients(sources, s[S].scalar_type());  // ζ: the accumulation dtype
+    OptTensors go, gl;
+    std::vector<at::Tensor> lse;
+    for (int64_t j = 0; j < S; ++j) {
+      go.push_back(wrap(with_context(grads[size_t(j)], 2, context, 0)));
+      gl.push_back(wrap(with_context(grads[size_t(S + j)], 2, context, 0)));
+      lse.push_back(with_context(s[size_t(S + j)], 2, context, kNoWeight));
+    }
+    auto [gq, gc] = back.call(go, gl, queries, sources, all.slice(2 * S + N, N), lse,
+                              ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
+    // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
+    variable_list out;
+    for (at::Tensor& t : gq.unbind(0)) out.push_back(std::move(t));
     for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
     out.insert(out.end(), 3, at::Tensor());  // eps, lengths, context
@@ -186,6 +273,21 @@ std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, at::T
   return {r[0], r[1]};
 }
 
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read_autograd(at::TensorList q,
+                                                                                      at::TensorList x,
+                                                                                      at::TensorList c, double eps,
+                                                                                      Lengths lengths,
+                                                                                      int64_t context) {
+  if (!records({q, x, c})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto read = op<BlockReadSig>("depthkit::msar_block_read");
+    return read.call(q, x, c, eps, lengths, context);
+  }
+  variable_list r = MsarBlockReadFunction::apply(q, x, c, eps, lengths, context);
+  const auto S = std::ptrdiff_t(q.size());
+  return {std::vector<at::Tensor>(r.begin(), r.begin() + S), std::vector<at::Tensor>(r.begin() + S, r.end())};
+}
+
 at::Tensor msar_fuse_autograd(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const OptTensor& part,
                               const OptTensor& pconv, const OptTensor& w, const OptTensor& b, const OptTensor& a, double eps,
                               Lengths lengths, int64_t context) {
@@ -205,6 +307,11 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
   m.def("msar_read_backward(Tensor? grad_out, Tensor? grad_log_partition, Tensor queries, Tensor[] sources, "
         "Tensor[] conv, Tensor log_partition, float eps, int[]? kernel_lengths, Tensor(a!)[] grad_sources) "
         "-> (Tensor, Tensor)");
+  m.def("msar_block_read(Tensor[] queries, Tensor[] sources, Tensor[] conv, float eps, int[]? kernel_lengths=None, "
+        "int context=0) -> (Tensor[], Tensor[])");
+  m.def("msar_block_read_backward(Tensor?[] grad_out, Tensor?[] grad_log_partition, Tensor[] queries, "
+        "Tensor[] sources, Tensor[] conv, Tensor[] log_partition, float eps, int[]? kernel_lengths, "
+        "Tensor(a!)[] grad_sources) -> (Tensor, Tensor)");
   m.def("msar_fuse(Tensor out, Tensor log_partition, Tensor queries, Tensor? partial, Tensor? partial_conv, "
         "Tensor? w_pre, Tensor? b_pre, Tensor? alpha_pre, float eps, int[]? kernel_lengths=None, int context=0) "
         "-> Tensor");
@@ -214,14 +321,17 @@ TORCH_LIBRARY_FRAGMENT(depthkit, m) {
 }
 
 TORCH_LIBRARY_IMPL(depthkit, CPU, m) {
-  m.impl("msar_read", &cpu::msar_read_forward);
+  m.impl("msar_read", &msar_read_cpu);
   m.impl("msar_read_backward", &msar_read_backward_cpu);
+  m.impl("msar_block_read", &msar_block_read_cpu);
+  m.impl("msar_block_read_backward", &msar_block_read_backward_cpu);
   m.impl("msar_fuse", &cpu::msar_fuse_forward);
   m.impl("msar_fuse_backward", &msar_fuse_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(depthkit, Autograd, m) {
   m.impl("msar_read", &msar_read_autograd);
+  m.impl("msar_block_read", &msar_block_read_autograd);
   m.impl("msar_fuse", &msar_fuse_autograd);
 }
 
@@ -230,6 +340,15 @@ namespace fused {
 std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::TensorList sources, at::TensorList conv,
                                              double eps, c10::OptionalIntArrayRef kernel_lengths, int64_t context) {
   static auto read = op<ReadSig>("depthkit::msar_read");
+  return read.call(queries, sources, conv, eps, kernel_lengths, context);
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read(at::TensorList queries,
+                                                                             at::TensorList sources,
+                                                                             at::TensorList conv, double eps,
+                                                                             c10::OptionalIntArrayRef kernel_lengths,
+                                                                             int64_t context) {
+  static auto read = op<BlockReadSig>("depthkit::msar_block_read");
   return read.call(queries, sources, conv, eps, kernel_lengths, context);
 }
 

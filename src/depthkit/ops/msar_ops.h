@@ -16,6 +16,7 @@
 #include <c10/util/OptionalArrayRef.h>
 
 #include <tuple>
+#include <vector>
 
 namespace depthkit::fused {
 
@@ -35,6 +36,14 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::Tens
                                              double eps,
                                              c10::OptionalIntArrayRef kernel_lengths = std::nullopt,
                                              int64_t context = 0);
+
+// msar_read for the S branches of one block, which read the same sources (MSAR §3.4: phase 1
+// batches all targets of a block): queries, one [m, d] per branch  →  (out, log_partition) per
+// branch, each as msar_read's. Each source's expansion is computed once for all S, in the forward
+// and the backward.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read(
+    at::TensorList queries, at::TensorList sources, at::TensorList conv, double eps,
+    c10::OptionalIntArrayRef kernel_lengths = std::nullopt, int64_t context = 0);
 
 // Phase 2 and fusion, per token: merges the block partial's expansion into each stream by
 // online softmax (λ_r = σ(ζ_r − a_r), DAR eq. A.6–A.10), then fuses the m streams:

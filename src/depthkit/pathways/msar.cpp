@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <utility>
 
 #include "depthkit/nn/parameters.h"
 #include "depthkit/nn/precision.h"
@@ -45,6 +46,12 @@ struct Sources final : PathwayState {
   at::Tensor partial;     // the current block's sum; undefined at block start
   at::Tensor last_input;  // h_ℓ of the last read (for the final residual merge)
   at::Tensor last_output; // f_ℓ(h_ℓ) of the last write
+  // Phase 1 of the current block's branches from `block_first` on, (out, ζ) each, made by the
+  // first of them to read (msar_block_read: the sources are the same for every branch of a
+  // block); slot i is branch block_first + i's, undefined once read. One slot per branch of a
+  // block, so that the state's tensors keep their places (the recomputed layers, transformer.cpp).
+  std::vector<at::Tensor> block_out, block_lse;
+  int64_t block_first = 0;
   // Decoding: the cache this chunk continues, and each row's real positions. Every tensor a bank
   // expands then carries the bank's tail before its T positions (`reach` rows), so the operators
   // see each real position's whole window; they read the T positions only (their `context`).
@@ -57,10 +64,19 @@ struct Sources final : PathwayState {
     for (at::Tensor& t : raw) out.push_back({&t, true});
     for (at::Tensor& t : taps) out.push_back({&t});
     for (at::Tensor* t : {&partial, &last_input, &last_output}) out.push_back({t});
+    for (at::Tensor& t : block_out) out.push_back({&t});
+    for (at::Tensor& t : block_lse) out.push_back({&t});
     return out;
   }
 };
 Sources& sources(PathwayState& s) { return static_cast<Sources&>(s); }
+// A state without sources, with a slot per branch of a block.
+std::unique_ptr<Sources> new_sources(const BlockSchedule& schedule) {
+  auto s = std::make_unique<Sources>();
+  s->block_out.resize(size_t(std::min(schedule.size, schedule.branches)));
+  s->block_lse.resize(s->block_out.size());
+  return s;
+}
 
 // x [B, T, d] with bank k's tail before it, [B, reach + T, d]; the tail becomes the last `reach`
 // real positions of the result. Without a cache, x.
@@ -85,7 +101,7 @@ at::Tensor with_past(Sources& s, int64_t bank, const at::Tensor& x) {
 Msar::Msar(const ResidualConfig& residual, const ModelConfig& model, ParameterStore& params)
     : schedule_{residual.block_sublayers, model.n_branches(), false}, m_(residual.streams), conv_(residual.conv),
       mean_fusion_(residual.fusion == "mean"),
-      ops_(residual.impl, params.device().type(), {"msar_read", "msar_fuse"}), d_(model.d_model),
+      ops_(residual.impl, params.device().type(), {"msar_block_read", "msar_fuse"}), d_(model.d_model),
       kernels_(residual.kernels), reach_(0), branch_(schedule_.branches + 1), bank_(schedule_.branches) {
   if (conv_ && m_ > 1) reach_ = *std::max_element(kernels_.begin(), kernels_.end()) - 1;
   const int64_t d = model.d_model;
@@ -136,7 +152,7 @@ void Msar::append(PathwayState& state, const at::Tensor& source, int64_t bank) c
 }
 
 std::unique_ptr<PathwayState> Msar::begin(const at::Tensor& embedding) {
-  auto s = std::make_unique<Sources>();
+  auto s = new_sources(schedule_);
   append(*s, embedding, 0);  // bank 0: the embedding
   return s;
 }
@@ -153,7 +169,7 @@ std::unique_ptr<PathwayCache> Msar::start_cache(int64_t batch, const at::Tensor&
 
 std::unique_ptr<PathwayState> Msar::resume(const at::Tensor& embedding, PathwayCache& cache,
                                            const std::vector<int64_t>& counts) {
-  auto s = std::make_unique<Sources>();
+  auto s = new_sources(schedule_);
   s->tails = &static_cast<Tails&>(cache);
   s->counts = counts;
   s->reach = reach_;
@@ -165,19 +181,34 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   Sources& s = sources(state);
   const Branch& b = branch_[l];
   if (observer_ && !s.tails) observe_read(state, l);  // not while decoding
-  auto read = ops_.fused("msar_read") ? fused::msar_read : reference::msar_read;
+  auto block_read = ops_.fused("msar_block_read") ? fused::msar_block_read : reference::msar_block_read;
   auto fuse = ops_.fused("msar_fuse") ? fused::msar_fuse : reference::msar_fuse;
   // The parameters in the activations' dtype: the operators take one dtype.
   auto in_dtype = [&](const at::Tensor& w) { return cast_like(w, s.raw[0]); };
   const at::Tensor queries = in_dtype(b.queries);
   // The kernels' lengths: their taps past it are padding (Msar::taps), which the operators skip.
   const c10::OptionalIntArrayRef lengths = conv_ && m_ > 1 ? c10::OptionalIntArrayRef(kernels_) : std::nullopt;
-  // Phase 1 over the completed sources, expanded by their banks (eq. 10–12).
-  std::vector<at::Tensor> banks;
-  for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));
-  // While decoding, every expanded tensor carries its bank's tail first (with_past): a context
-  // of `reach` positions, which feeds the new positions' windows and is not read itself.
-  auto [out, lse] = read(queries, s.raw, banks, kKeyNormEps, lengths, s.reach);
+  // Phase 1 over the completed sources, expanded by their banks (eq. 10–12), for this branch and
+  // the rest of its block at once (their sources are the same): made by the block's first read
+  // (or the first in this state, after a pipeline stage boundary), taken by each branch.
+  const size_t slot = size_t(l - s.block_first);
+  if (s.block_first == 0 || l < s.block_first || slot >= s.block_out.size() || !s.block_out[slot].defined()) {
+    const int64_t last = std::min(schedule_.block_of(l) * schedule_.size, schedule_.branches);
+    std::vector<at::Tensor> queries_of, banks;
+    for (int64_t k = l; k <= last; ++k) queries_of.push_back(in_dtype(branch_[k].queries));
+    for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));
+    // While decoding, every expanded tensor carries its bank's tail first (with_past): a context
+    // of `reach` positions, which feeds the new positions' windows and is not read itself.
+    auto [outs, lses] = block_read(queries_of, s.raw, banks, kKeyNormEps, lengths, s.reach);
+    s.block_first = l;
+    for (size_t k = 0; k < outs.size(); ++k) {
+      s.block_out[k] = outs[k];
+      s.block_lse[k] = lses[k];
+    }
+  }
+  const size_t taken = size_t(l - s.block_first);
+  const at::Tensor out = std::exchange(s.block_out[taken], at::Tensor());
+  const at::Tensor lse = std::exchange(s.block_lse[taken], at::Tensor());
   // Phase 2: the partial expanded by bank ℓ−1 (absent at a block's first branch), then the
   // H_pre fusion (eq. 13–14) or the mean.
   const bool with_partial = !schedule_.opens(l);
@@ -237,7 +268,7 @@ StageState Msar::stage_out(PathwayState& state, int64_t) {
 }
 
 std::unique_ptr<PathwayState> Msar::stage_in(const StageState& in, int64_t, int64_t, int64_t) {
-  auto s = std::make_unique<Sources>();
+  auto s = new_sources(schedule_);
   // Source i ≥ 1 is block i's sum, appended by its last branch i·S with that branch's bank.
   for (size_t i = 0; i < in.sources.size(); ++i)
     append(*s, in.sources[i], i == 0 ? 0 : std::min(int64_t(i) * schedule_.size, schedule_.branches));

@@ -17,8 +17,10 @@
 //
 // Ablations: conv = false (streams are replicas of the source, queries stay independent: no
 // bank parameters); fusion = "mean" (h = mean_r z⁽ʳ⁾: no W_pre, b_pre, α_pre).
-// The read runs as two operators (ops/msar_ops.h): msar_read over the raw completed sources and
-// their banks, and msar_fuse (partial merge + H_pre or mean fusion). The state keeps single-stream
+// The read runs as two operators (ops/msar_ops.h): msar_block_read over the raw completed sources
+// and their banks, for all the branches of a block at its first (MSAR §3.4: phase 1 batches a
+// block's targets; each branch's result waits in the state until it reads), and msar_fuse (partial
+// merge + H_pre or mean fusion) per branch. The state keeps single-stream
 // sources only, for both implementations: impl = "fused" expands them on the fly and never stores
 // the expansions; impl = "reference" runs the ATen compositions with the same signatures
 // (ops/reference/reference.h), which expand them at each read.
@@ -72,7 +74,7 @@ class Msar final : public ResidualPathway {
   BlockSchedule schedule_;
   int64_t m_;
   bool conv_, mean_fusion_;
-  OperatorChoice ops_;  // msar_read, msar_fuse: fused (ops/msar_ops.h) or reference
+  OperatorChoice ops_;  // msar_block_read, msar_fuse: fused (ops/msar_ops.h) or reference
   int64_t d_;
   std::vector<int64_t> kernels_;
   int64_t reach_;  // K − 1 with convolutions, else 0: how far back an expansion reads

@@ -346,6 +346,18 @@ double cross_entropy_rows(const at::Tensor& z, const at::Tensor& targets, bool g
   return total;
 }
 
+// MKL (LibTorch's BLAS on x86) chooses a product's code path, and with it the order of its sums,
+// by more than the shapes: on an Intel Xeon the same blocks of rows gave linear_cross_entropy's
+// ∂hidden and ∂weight up to 4e-8 apart on 1 and on 2 intra-op threads (the loss equal), where on
+// AMD EPYC they were equal. MKL's strict conditional-reproducibility mode (MKL_CBWR=AUTO,STRICT)
+// makes them equal, and timed no slower on the 0.1B width's projections (2,048 × 640 × 2,560
+// three ways, 2 threads: 66–79 ms a round either way). MKL reads the variable at its first call,
+// so the library sets it as it loads, unless it is set already (a user's choice stands). From
+// Python, `import depthkit` before the first matrix product for it to apply.
+namespace {
+const bool kStrictBlas = [] { return setenv("MKL_CBWR", "AUTO,STRICT", /*overwrite=*/0) == 0; }();
+}  // namespace
+
 void addmm_in_row_blocks(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, double beta, double alpha) {
   if (out.dim() != 2 || a.dim() != 2 || b.dim() != 2 || a.size(0) != out.size(0) || b.size(1) != out.size(1) ||
       a.size(1) != b.size(0))

@@ -2,7 +2,8 @@
 // fused partial merge + stream fusion (DAR eq. A.6–A.10; MSAR eq. 13–14), with hand-written
 // backward passes. The expanded streams are never written to memory (MSAR §3.4, Table 6).
 //
-// Layout: queries q [m, d]; raw sources x: a list of N [B, T, d] (never stacked, kernel_math.h);
+// Layout: queries q [m, d] (the read: S of them, one per branch of a block, each with its own out
+// and ζ; each expansion serves all S); raw sources x: a list of N [B, T, d] (never stacked, kernel_math.h);
 // their banks c: a list of N [m−1, d, K] (zero-padded to the largest kernel K; used here stacked as
 // [N, m−1, K, d], a parameter-sized copy, so the loops over d are contiguous); out [m, B, T, d];
 // ζ [m, B, T]. Accumulation in float32 (float64 for float64 inputs); bfloat16 storage accepted;
@@ -18,6 +19,8 @@
 //   g·out = Σ_n w_n (g·v_n),  ∂a_n = w_n (g·v_n − g·out) + ḡ_ζ w_n,
 //   ∂v_n = w_n g + ∂a_n (s q_r − s³ (q_r·v_n) v_n / d),  ∂q_r += ∂a_n s v_n,
 //   ∂x_{n,t−δ} += c_{n,r,δ} ⊙ ∂v_n,  ∂c_{n,r,δ} += ∂v_n ⊙ x_{n,t−δ}    (identity for r = 0).
+// With S queries, ∂v_n is the sum of their terms (key_grads, the second on with ADD) before the
+// one transpose: ∂x and ∂c are linear in ∂v.
 // The ∂x scatter reaches K − 1 tokens back: tokens are cut into tiles of at least K − 1 per batch
 // row and the even tiles run in parallel, then the odd ones, so no two tasks write one token.
 // Query and tap gradients are sums over tokens: one partial sum per group of tiles (a fixed number
@@ -228,11 +231,18 @@ void merge_tile(acc_t* Z, acc_t* zz, acc_t* gz, acc_t* s, acc_t* qv, acc_t* lam,
   }
 }
 
-void check_read(const at::Tensor& q, at::TensorList x, at::TensorList c, int64_t context = 0) {
+void check_read(at::TensorList queries, at::TensorList x, at::TensorList c, int64_t context = 0) {
+  if (queries.empty()) fail("msar_read: needs at least one query tensor");
   if (x.empty()) fail("msar_read: needs at least one source");
+  const at::Tensor& q = queries[0];
   if (q.dim() != 2 || x[0].dim() != 3) fail("msar_read: expected queries [m, d], sources [B, T, d] each");
   const int64_t m = q.size(0), d = q.size(1);
   if (m < 1) fail("msar_read: needs at least one stream");
+  for (size_t j = 1; j < queries.size(); ++j) {
+    if (queries[j].sizes() != q.sizes())
+      fail("msar_read: queries ", j, " are ", queries[j].sizes(), ", queries 0 ", q.sizes());
+    if (queries[j].scalar_type() != q.scalar_type()) fail("msar_read: every queries tensor must share a dtype");
+  }
   if (x[0].size(2) != d) fail("msar_read: queries have d = ", d, ", sources d = ", x[0].size(2));
   if (c.size() != x.size()) fail("msar_read: ", x.size(), " sources and ", c.size(), " banks (conv)");
   for (size_t n = 0; n < x.size(); ++n) {
@@ -317,151 +327,188 @@ FuseInputs fuse_inputs(const FuseArgs& A, at::ScalarType storage, at::ScalarType
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
-                                                     at::TensorList conv, double eps,
-                                                     c10::OptionalIntArrayRef lengths_, int64_t context) {
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_forward(at::TensorList queries,
+                                                                               at::TensorList sources,
+                                                                               at::TensorList conv, double eps,
+                                                                               c10::OptionalIntArrayRef lengths_,
+                                                                               int64_t context) {
   check_read(queries, sources, conv, context);
-  const auto acc_type = acc_type_of(queries);
+  const auto acc_type = acc_type_of(queries[0]);
   const std::vector<at::Tensor> x = contiguous_all(sources);
   const int64_t K = conv[0].size(2);
   const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
-  const at::Tensor q = contiguous_as(queries, acc_type), c = stacked_taps_kd(conv, acc_type, lengths);
+  const at::Tensor c = stacked_taps_kd(conv, acc_type, lengths);
+  std::vector<at::Tensor> q;
+  for (const at::Tensor& qj : queries) q.push_back(contiguous_as(qj, acc_type));
   const std::vector<int64_t> used = taps_used(c, lengths);
-  const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
+  const int64_t S = int64_t(q.size()), m = q[0].size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1),
+                d = x[0].size(2);
   const int64_t To = T - context, P = B * To;  // the positions read: context … T − 1
-  at::Tensor out = at::empty({m, B, To, d}, x[0].options());
-  at::Tensor lse = at::empty({m, B, To}, x[0].options().dtype(acc_type));
+  std::vector<at::Tensor> out, lse;
+  for (int64_t j = 0; j < S; ++j) {
+    out.push_back(at::empty({m, B, To, d}, x[0].options()));
+    lse.push_back(at::empty({m, B, To}, x[0].options().dtype(acc_type)));
+  }
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = at::opmath_type<scalar_t>;
     const std::vector<const scalar_t*> xp = data_of<scalar_t>(x);
-    const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    acc_t* lp = lse.mutable_data_ptr<acc_t>();
+    const std::vector<const acc_t*> qp = data_of<acc_t>(q);
+    const std::vector<scalar_t*> op = mutable_data_of<scalar_t>(out);
+    const std::vector<acc_t*> lp = mutable_data_of<acc_t>(lse);
+    const acc_t* cp = c.const_data_ptr<acc_t>();
     // Tiles of kTile tokens of one batch row. Per stream r: the expansions of every source for the
-    // whole tile (expand_tile, E [N, kTile, d]) with their (Σ v², q·v); then the scores, the
-    // softmax over the sources and out token by token. (The scores of a tile are independent of
-    // one another, so their square roots and exponentials overlap, where an online softmax token by
-    // token waits on each in turn.) The tiles cover the positions read; the context before them is
-    // read only through the expansions' windows.
+    // whole tile (expand_tile, E [N, kTile, d]), each read by every query: its (Σ v², q·v); then
+    // per query the scores, the softmax over the sources and out token by token. (The scores of a
+    // tile are independent of one another, so their square roots and exponentials overlap, where
+    // an online softmax token by token waits on each in turn.) The tiles cover the positions read;
+    // the context before them is read only through the expansions' windows.
     // (A tile of at most the positions read: a decoding step's buffers hold its one position.)
     const int64_t tile = std::min(kTile, To), tiles = (To + tile - 1) / tile;
     at::parallel_for(0, B * tiles, 1, [&](int64_t c0, int64_t c1) {
-      Scratch<acc_t> E(N * tile * d), a(N * tile), ss(tile), w(N);
+      Scratch<acc_t> E(N * tile * d), a(S * N * tile), ss(tile), w(N);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the tile: in E, or the source itself
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = c / tiles, t0 = context + (c % tiles) * tile, nt = std::min(T, t0 + tile) - t0;
         for (int64_t r = 0; r < m; ++r) {
-          const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
             rows[n] = stream_rows(E.data() + n * tile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
-            acc_t* an = a.data() + n * tile;
-            row_dots<false>(ss.data(), an, static_cast<acc_t*>(nullptr), rows[n], qr, static_cast<const acc_t*>(nullptr), nt, d);
-            for (int64_t j = 0; j < nt; ++j) an[j] *= inv_rms<acc_t>(ss[j], d, eps);  // (A.1)
+            for (int64_t j = 0; j < S; ++j) {
+              acc_t* an = a.data() + (j * N + n) * tile;
+              row_dots<false>(ss.data(), an, static_cast<acc_t*>(nullptr), rows[n], qp[j] + r * d,
+                              static_cast<const acc_t*>(nullptr), nt, d);
+              for (int64_t i = 0; i < nt; ++i) an[i] *= inv_rms<acc_t>(ss[i], d, eps);  // (A.1)
+            }
           }
-          for (int64_t j = 0; j < nt; ++j) {
-            const int64_t p = b * To + t0 - context + j;
-            acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
-            for (int64_t n = 0; n < N; ++n) mx = std::max(mx, a[n * tile + j]);  // (A.2)
-            for (int64_t n = 0; n < N; ++n) Z += w[n] = std::exp(a[n * tile + j] - mx);  // (A.3)
-            weighted_row_sum(op + (r * P + p) * d, w.data(), 1, rows.data(), j * d, N, acc_t(1) / Z, d);  // (A.4, A.5)
-            lp[r * P + p] = mx + std::log(Z);
+          for (int64_t j = 0; j < S; ++j) {
+            const acc_t* aj = a.data() + j * N * tile;
+            for (int64_t i = 0; i < nt; ++i) {
+              const int64_t p = b * To + t0 - context + i;
+              acc_t mx = -std::numeric_limits<acc_t>::infinity(), Z = 0;
+              for (int64_t n = 0; n < N; ++n) mx = std::max(mx, aj[n * tile + i]);  // (A.2)
+              for (int64_t n = 0; n < N; ++n) Z += w[n] = std::exp(aj[n * tile + i] - mx);  // (A.3)
+              weighted_row_sum(op[j] + (r * P + p) * d, w.data(), 1, rows.data(), i * d, N, acc_t(1) / Z, d);  // (A.4, A.5)
+              lp[j][r * P + p] = mx + std::log(Z);
+            }
           }
         }
       }
     });
   };
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries.scalar_type(), "msar_read_forward", [&] { kernel(scalar_t(0)); });
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries[0].scalar_type(), "msar_read_forward", [&] { kernel(scalar_t(0)); });
   return {out, lse};
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
-    const OptTensor& grad_out_opt, const OptTensor& grad_lse_opt, const at::Tensor& queries, at::TensorList sources,
-    at::TensorList conv, const at::Tensor& lse_, double eps, c10::OptionalIntArrayRef lengths_, at::TensorList gx) {
-  const at::Tensor grad_out_ = unwrap(grad_out_opt);
-  const at::Tensor grad_lse_ = unwrap(grad_lse_opt);
+    const std::vector<at::Tensor>& grad_out, const std::vector<at::Tensor>& grad_lse, at::TensorList queries,
+    at::TensorList sources, at::TensorList conv, at::TensorList lse_, double eps, c10::OptionalIntArrayRef lengths_,
+    at::TensorList gx) {
   check_read(queries, sources, conv);
-  const auto acc_type = acc_type_of(queries);
+  const int64_t S = int64_t(queries.size());
+  if (int64_t(grad_out.size()) != S || int64_t(grad_lse.size()) != S || int64_t(lse_.size()) != S)
+    fail("msar_read_backward: ", S, " queries, ", grad_out.size(), " grad_out, ", grad_lse.size(),
+         " grad_log_partition and ", lse_.size(), " log_partition");
+  const auto acc_type = acc_type_of(queries[0]);
   const std::vector<at::Tensor> x = contiguous_all(sources);
   const int64_t K = conv[0].size(2);
   const std::vector<int64_t> lengths = kernel_lengths(lengths_, conv[0].size(0), K, "msar_read");
-  const at::Tensor q = contiguous_as(queries, acc_type), c = stacked_taps_kd(conv, acc_type, lengths),
-                   lse = contiguous_as(lse_, acc_type);
+  const at::Tensor c = stacked_taps_kd(conv, acc_type, lengths);
   const std::vector<int64_t> used = taps_used(c, lengths);
-  const int64_t m = q.size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
+  const int64_t m = queries[0].size(0), N = int64_t(x.size()), B = x[0].size(0), T = x[0].size(1), d = x[0].size(2);
   const int64_t P = B * T, L = m - 1;
   const auto options = x[0].options();
-  const at::Tensor go = grad_out_.defined() ? grad_out_.contiguous() : at::zeros({m, B, T, d}, options);
-  const at::Tensor gl = grad_lse_.defined() ? contiguous_as(grad_lse_, acc_type) : at::zeros({m, B, T}, lse.options());
+  std::vector<at::Tensor> q, lse, go, gl;
+  for (int64_t j = 0; j < S; ++j) {
+    q.push_back(contiguous_as(queries[j], acc_type));
+    lse.push_back(contiguous_as(lse_[j], acc_type));
+    if (lse[j].sizes() != at::IntArrayRef({m, B, T}))
+      fail("msar_read_backward: log_partition ", j, " is ", lse[j].sizes(), ", expected [m, B, T] = [", m, ", ", B,
+           ", ", T, "]");
+    go.push_back(grad_out[j].defined() ? grad_out[j].contiguous() : at::zeros({m, B, T, d}, options));
+    gl.push_back(grad_lse[j].defined() ? contiguous_as(grad_lse[j], acc_type) : at::zeros({m, B, T}, lse[j].options()));
+  }
   check_gradient_buffers("msar_read_backward: grad_sources", gx, N, {B, T, d}, acc_type);  // added into
   constexpr int64_t sub = kReadBackTile;
   const TileGroups tiles = tile_groups(B, T, K, sub);  // one partial sum of ∂q and ∂c per group
-  at::Tensor gq_parts = at::zeros({tiles.groups, m, d}, options.dtype(acc_type));
+  at::Tensor gq_parts = at::zeros({tiles.groups, S, m, d}, options.dtype(acc_type));
   at::Tensor gc_parts = at::zeros({tiles.groups, N, L, K, d}, options.dtype(acc_type));
   // The kernel is a generic lambda outside the dispatch macro: pragmas may not appear in macro arguments.
   auto kernel = [&](auto tag) {
     using scalar_t = decltype(tag);
     using acc_t = at::opmath_type<scalar_t>;
-    const std::vector<const scalar_t*> xp = data_of<scalar_t>(x);
+    const std::vector<const scalar_t*> xp = data_of<scalar_t>(x), gop = data_of<scalar_t>(go);
     const std::vector<acc_t*> gxp = mutable_data_of<acc_t>(gx);
-    const scalar_t* gop = go.const_data_ptr<scalar_t>();
-    const acc_t *qp = q.const_data_ptr<acc_t>(), *cp = c.const_data_ptr<acc_t>(), *lp = lse.const_data_ptr<acc_t>(),
-                *glp = gl.const_data_ptr<acc_t>();
+    const std::vector<const acc_t*> qp = data_of<acc_t>(q), lp = data_of<acc_t>(lse), glp = data_of<acc_t>(gl);
+    const acc_t* cp = c.const_data_ptr<acc_t>();
     acc_t *gq_all = gq_parts.mutable_data_ptr<acc_t>(),
           *gc_all = gc_parts.mutable_data_ptr<acc_t>();
     const int64_t pad = K - 1;  // zero rows of ∂v before and after a tile (expand_backward_tile)
     for_each_tile(tiles, T, [&](int64_t b, int64_t t0, int64_t t1, int64_t group) {
-      acc_t* gq = gq_all + group * m * d;
+      acc_t* gq = gq_all + group * S * m * d;  // query j's [m, d] at j·m·d
       acc_t* gc = gc_all + group * N * L * K * d;
-      // Per sub-tile of `sub` tokens and stream r: the expansions of all sources V [N, sub, d],
-      // per (n, t) s, q·v, w, g·v and per t g·out; then per source ∂v of the tile and its transpose.
-      // ∂x of the sub-tile and the pad rows before it, per source, is gathered in GX over the
+      // Per sub-tile of `sub` tokens and stream r: the expansions of all sources V [N, sub, d] and
+      // per (n, t) s; per query j and (n, t) q·v, w, g·v, and per (j, t) g·out; then per source ∂v
+      // of the tile, summed over the queries (they read the same candidates), and its transpose,
+      // once. ∂x of the sub-tile and the pad rows before it, per source, is gathered in GX over the
       // streams (add_rows).
       const int64_t gx_rows = sub + pad;
       Scratch<acc_t> V(N * sub * d), DV((sub + 2 * pad) * d, acc_t(0)), GX(N * gx_rows * d), s(N * sub),
-          qv(N * sub), w(N * sub), gdotv(N * sub), g_out(sub), beta(sub), gamma(sub);
+          qv(S * N * sub), w(S * N * sub), gdotv(S * N * sub), g_out(S * sub), beta(sub), gamma(sub);
       std::vector<const acc_t*> rows(N);  // stream r of each source on the sub-tile (stream_rows)
       acc_t* dv0 = DV.data() + pad * d;
       for (int64_t u0 = t0; u0 < t1; u0 += sub) {
-        const int64_t u1 = std::min(t1, u0 + sub), nt = u1 - u0;
+        const int64_t u1 = std::min(t1, u0 + sub), nt = u1 - u0, p0 = b * T + u0;
         std::fill(dv0 + nt * d, dv0 + (nt + pad) * d, acc_t(0));  // (the last sub-tile may be shorter)
         // GX's rows of the sub-tile are first written by the identity stream (r = 0, below); only
         // the pad rows before them start at zero.
         for (int64_t n = 0; n < N; ++n) std::fill_n(GX.data() + n * gx_rows * d, pad * d, acc_t(0));
         for (int64_t r = 0; r < m; ++r) {
-          const acc_t* qr = qp + r * d;
           for (int64_t n = 0; n < N; ++n) {
             const acc_t* Vn = rows[n] =
                 stream_rows(V.data() + n * sub * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
-            const int64_t p0 = b * T + u0;
-            row_dots<true>(s.data() + n * sub, qv.data() + n * sub, gdotv.data() + n * sub, Vn, qr,
-                           gop + (r * P + p0) * d, nt, d);
-            for (int64_t j = 0; j < nt; ++j) {
-              const int64_t k = n * sub + j;
-              s[k] = inv_rms<acc_t>(s[k], d, eps);  // (Σ v² until here)
-              w[k] = std::exp(s[k] * qv[k] - lp[r * P + p0 + j]);
+            acc_t* sn = s.data() + n * sub;
+            for (int64_t j = 0; j < S; ++j) {  // (each writes Σ v² into sn: the same values)
+              const int64_t k0 = (j * N + n) * sub;
+              row_dots<true>(sn, qv.data() + k0, gdotv.data() + k0, Vn, qp[j] + r * d, gop[j] + (r * P + p0) * d, nt, d);
+            }
+            for (int64_t i = 0; i < nt; ++i) sn[i] = inv_rms<acc_t>(sn[i], d, eps);
+            for (int64_t j = 0; j < S; ++j) {
+              const int64_t k0 = (j * N + n) * sub;
+              for (int64_t i = 0; i < nt; ++i) w[k0 + i] = std::exp(sn[i] * qv[k0 + i] - lp[j][r * P + p0 + i]);
             }
           }
-          for (int64_t j = 0; j < nt; ++j) {  // g · out = Σ_n w_n (g · v_n)
-            acc_t go_j = 0;
-            for (int64_t n = 0; n < N; ++n) go_j += w[n * sub + j] * gdotv[n * sub + j];
-            g_out[j] = go_j;
-          }
+          for (int64_t j = 0; j < S; ++j)
+            for (int64_t i = 0; i < nt; ++i) {  // g · out = Σ_n w_n (g · v_n)
+              acc_t go_i = 0;
+              for (int64_t n = 0; n < N; ++n) go_i += w[(j * N + n) * sub + i] * gdotv[(j * N + n) * sub + i];
+              g_out[j * sub + i] = go_i;
+            }
           for (int64_t n = 0; n < N; ++n) {
             // Per token: ∂a, then ∂v = w g + ∂a s q − ∂a s³ (q·v) v / d, and ∂q in the same pass
-            // over v (key_grads). The identity stream's ∂v is ∂x's share itself (its transpose is
-            // the identity): written to GX directly, the first of the terms of its rows.
-            for (int64_t j = 0; j < nt; ++j) {
-              const int64_t p = b * T + u0 + j, k = n * sub + j;
-              const acc_t da = w[k] * (gdotv[k] - g_out[j]) + glp[r * P + p] * w[k];
-              beta[j] = da * s[k];
-              gamma[j] = da * s[k] * s[k] * s[k] * qv[k] / acc_t(d);
-            }
-            const acc_t *Vn = rows[n], *wn = w.data() + n * sub;
-            const scalar_t* g0 = gop + (r * P + b * T + u0) * d;
+            // over v (key_grads), the queries' terms added. The identity stream's ∂v is ∂x's share
+            // itself (its transpose is the identity): written to GX directly, the first of the
+            // terms of its rows.
+            const acc_t* Vn = rows[n];
+            const acc_t* sn = s.data() + n * sub;
             acc_t* dv = r == 0 ? GX.data() + (n * gx_rows + pad) * d : dv0;
-            key_grads(dv, gq + r * d, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
+            for (int64_t j = 0; j < S; ++j) {
+              const int64_t k0 = (j * N + n) * sub;
+              for (int64_t i = 0; i < nt; ++i) {
+                const int64_t k = k0 + i;
+                const acc_t da = w[k] * (gdotv[k] - g_out[j * sub + i]) + glp[j][r * P + p0 + i] * w[k];
+                beta[i] = da * sn[i];
+                gamma[i] = da * sn[i] * sn[i] * sn[i] * qv[k] / acc_t(d);
+              }
+              const scalar_t* g0 = gop[j] + (r * P + p0) * d;
+              const acc_t *qr = qp[j] + r * d, *wn = w.data() + k0;
+              acc_t* gqr = gq + (j * m + r) * d;
+              if (j == 0) {
+                key_grads(dv, gqr, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
+              } else {
+                key_grads<true>(dv, gqr, Vn, g0, d, qr, wn, beta.data(), gamma.data(), nt, d);
+              }
+            }
             if (r == 0) continue;
             const int64_t bank = n * L + r - 1;
             expand_backward_tile(dv0, GX.data() + (n * gx_rows + pad) * d, gc + bank * K * d, xp[n] + b * T * d,
@@ -472,9 +519,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
       }
     });
   };
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries.scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
-  const auto st = queries.scalar_type();
-  at::Tensor gq = gq_parts.sum(0).to(st);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, queries[0].scalar_type(), "msar_read_backward", [&] { kernel(scalar_t(0)); });
+  const auto st = queries[0].scalar_type();
+  at::Tensor gq = gq_parts.sum(0).to(st);  // [S, m, d]
   at::Tensor gc_kd = gc_parts.sum(0);  // [N, m−1, K, d]
   zero_padding(gc_kd, lengths);
   std::vector<at::Tensor> gc = gc_kd.transpose(-1, -2).to(st).unbind(0);  // [m−1, d, K] per source

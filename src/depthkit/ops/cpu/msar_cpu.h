@@ -16,20 +16,24 @@ namespace depthkit::cpu {
 // context (0 … T − 1): the sources' first positions that are only the windows of the later ones
 // (a decoding step's convolution tail, msar_ops.h); out and ζ cover the T − context after them.
 //
-// queries [m, d], sources: N raw single-stream [B, T, d], conv: their N banks [m−1, d, K]
-//   →  out [m, B, T − context, d], log_partition ζ [m, B, T − context] (float32; float64 for
-//   float64 inputs).
-std::tuple<at::Tensor, at::Tensor> msar_read_forward(const at::Tensor& queries, at::TensorList sources,
-                                                     at::TensorList conv, double eps,
-                                                     c10::OptionalIntArrayRef kernel_lengths, int64_t context);
-// Gradients of (out, ζ) → (queries, one per bank), and the sources' added into grad_sources: one
-// buffer per source, [B, T, d] in the accumulation dtype (ops/shared_source.h). Either incoming
-// gradient may be undefined (zero). No context: the autograd kernel pads a context's positions
-// (msar_ops.cpp).
+// queries: S tensors [m, d], the reads of S branches of one block, which read the same sources
+// (MSAR §3.4: phase 1 batches all targets of a block); sources: N raw single-stream [B, T, d],
+// conv: their N banks [m−1, d, K]  →  per query out [m, B, T − context, d] and log_partition ζ
+// [m, B, T − context] (float32; float64 for float64 inputs). Each expansion is computed once and
+// read by every query.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_forward(at::TensorList queries,
+                                                                               at::TensorList sources,
+                                                                               at::TensorList conv, double eps,
+                                                                               c10::OptionalIntArrayRef kernel_lengths,
+                                                                               int64_t context);
+// Gradients of every query's (out, ζ) → (the queries', stacked [S, m, d]; one per bank), and the sources' added into
+// grad_sources: one buffer per source, [B, T, d] in the accumulation dtype (ops/shared_source.h).
+// Any incoming gradient may be undefined (zero). No context: the autograd kernel pads a context's
+// positions (msar_ops.cpp).
 std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
-    const OptTensor& grad_out, const OptTensor& grad_lse, const at::Tensor& queries, at::TensorList sources,
-    at::TensorList conv, const at::Tensor& lse, double eps, c10::OptionalIntArrayRef kernel_lengths,
-    at::TensorList grad_sources);
+    const std::vector<at::Tensor>& grad_out, const std::vector<at::Tensor>& grad_lse, at::TensorList queries,
+    at::TensorList sources, at::TensorList conv, at::TensorList lse, double eps,
+    c10::OptionalIntArrayRef kernel_lengths, at::TensorList grad_sources);
 
 // out [m, B, T, d], ζ [m, B, T], queries [m, d]; optional (undefined = absent): partial
 // [B, context + T, d] with partial_conv [m−1, d, K'] (both or neither), w_pre [m, m·d] with

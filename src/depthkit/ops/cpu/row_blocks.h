@@ -167,11 +167,11 @@ void weighted_row_sum(scalar_t* o, const acc_t* w, int64_t w_stride, const X* co
   }
 }
 
-// Per row j < J (rows of v and out d apart, of g gs apart): out_j = α_j g_j + β_j q − γ_j v_j, and
-// gq += Σ_j β_j v_j: the gradient of a key-normalised candidate v, whose score is s (q · v), with
+// Per row j < J (rows of v and out d apart, of g gs apart): out_j = α_j g_j + β_j q − γ_j v_j (ADD:
+// out_j += …, where several queries read one candidate, msar_read_backward), and gq += Σ_j β_j v_j: the gradient of a key-normalised candidate v, whose score is s (q · v), with
 // β = ∂a s and γ = ∂a s³ (q · v) / d (∂/∂v of s (q · v)), plus α g from its value; gq (the
 // query's gradient) is loaded and stored once per J rows.
-template <int64_t J, class acc_t, class G>
+template <int64_t J, bool ADD, class acc_t, class G>
 inline void key_grads_block(acc_t* out, acc_t* gq, const acc_t* v, const G* g, int64_t gs, const acc_t* q,
                             const acc_t* alpha, const acc_t* beta, const acc_t* gamma, int64_t d) {
   using V = Vec<acc_t>;
@@ -183,7 +183,8 @@ inline void key_grads_block(acc_t* out, acc_t* gq, const acc_t* v, const G* g, i
 #pragma GCC unroll 8
     for (int64_t j = 0; j < J; ++j) {
       const V x = load<acc_t>(v + j * d + i);
-      const V o = alpha[j] * load<acc_t>(g + j * gs + i) + beta[j] * qi - gamma[j] * x;
+      V o = alpha[j] * load<acc_t>(g + j * gs + i) + beta[j] * qi - gamma[j] * x;
+      if constexpr (ADD) o += load<acc_t>(out + j * d + i);
       std::memcpy(out + j * d + i, &o, sizeof o);
       gqi += beta[j] * x;
     }
@@ -192,18 +193,19 @@ inline void key_grads_block(acc_t* out, acc_t* gq, const acc_t* v, const G* g, i
   for (; i < d; ++i)
     for (int64_t j = 0; j < J; ++j) {
       const acc_t x = v[j * d + i];
-      out[j * d + i] = alpha[j] * acc_t(g[j * gs + i]) + beta[j] * q[i] - gamma[j] * x;
+      const acc_t o = alpha[j] * acc_t(g[j * gs + i]) + beta[j] * q[i] - gamma[j] * x;
+      out[j * d + i] = ADD ? out[j * d + i] + o : o;
       gq[i] += beta[j] * x;
     }
 }
 
 // key_grads_block over `rows` rows: blocks of kRows, then of 4, then single rows.
-template <class acc_t, class G>
+template <bool ADD = false, class acc_t, class G>
 void key_grads(acc_t* out, acc_t* gq, const acc_t* v, const G* g, int64_t gs, const acc_t* q, const acc_t* alpha,
                const acc_t* beta, const acc_t* gamma, int64_t rows, int64_t d) {
   int64_t j = 0;
   auto block = [&](auto J) {
-    key_grads_block<decltype(J)::value>(out + j * d, gq, v + j * d, g + j * gs, gs, q, alpha + j, beta + j,
+    key_grads_block<decltype(J)::value, ADD>(out + j * d, gq, v + j * d, g + j * gs, gs, q, alpha + j, beta + j,
                                              gamma + j, d);
     j += decltype(J)::value;
   };

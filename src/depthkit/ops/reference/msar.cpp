@@ -65,6 +65,20 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries_, at::Ten
   return {at::stack(outs).to(sources_.scalar_type()), at::stack(lses)};
 }
 
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read(at::TensorList queries,
+                                                                             at::TensorList sources,
+                                                                             at::TensorList conv, double eps,
+                                                                             c10::OptionalIntArrayRef kernel_lengths,
+                                                                             int64_t context) {
+  std::vector<at::Tensor> outs, lses;
+  for (const at::Tensor& q : queries) {
+    auto [out, lse] = msar_read(q, sources, conv, eps, kernel_lengths, context);
+    outs.push_back(out);
+    lses.push_back(lse);
+  }
+  return {outs, lses};
+}
+
 at::Tensor msar_merged_streams(const at::Tensor& out_, const at::Tensor& log_partition_, const at::Tensor& queries_,
                                const at::Tensor& partial_, const at::Tensor& partial_conv_, double eps,
                                c10::OptionalIntArrayRef kernel_lengths, int64_t context) {

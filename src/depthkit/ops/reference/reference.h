@@ -14,6 +14,7 @@
 #include <array>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "depthkit/ops/backbone_ops.h"
 #include "depthkit/ops/dar_ops.h"
@@ -53,6 +54,10 @@ std::tuple<at::Tensor, at::Tensor> msar_read(const at::Tensor& queries, at::Tens
                                              double eps,
                                              c10::OptionalIntArrayRef kernel_lengths = std::nullopt,
                                              int64_t context = 0);
+// msar_read once per queries tensor (the S branches of a block), as fused::msar_block_read.
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read(
+    at::TensorList queries, at::TensorList sources, at::TensorList conv, double eps,
+    c10::OptionalIntArrayRef kernel_lengths = std::nullopt, int64_t context = 0);
 // out, ζ, queries as msar_read returns and takes them; partial [B, context + T, d] and
 // partial_conv [m − 1, d, K'] or both undefined; w_pre [m, m·d], b_pre [m], alpha_pre [1] or all
 // undefined (mean fusion) → h [B, T, d].
