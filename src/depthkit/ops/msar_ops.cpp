@@ -12,11 +12,11 @@
 //   and their *_backward operators. msar_block_read is msar_read for the S branches of one block
 //   (one queries tensor each), which read the same sources: each expansion is computed once for
 //   them all, in the forward and in the backward (MSAR §3.4, phase 1 batched over a block's
-//   targets); msar_read is its S = 1 case, on the same kernels. msar_read_backward adds the sources' gradients into the buffers
-//   it is given (Tensor(a!)[], ops/shared_source.h) and returns those of the queries and of the
-//   banks, the latter stacked [N, m − 1, d, K] (msar_block_read_backward: the queries' stacked
-//   [S, m, d] too): a mutating operator's outputs must be single
-//   tensors for torch.compile's functionalization (auto_functionalized) to take it.
+//   targets); msar_read is its S = 1 case, on the same kernels. msar_read_backward adds the
+//   sources' gradients into the buffers it is given (Tensor(a!)[], ops/shared_source.h) and returns
+//   those of the queries and of the banks, the latter stacked [N, m − 1, d, K]
+//   (msar_block_read_backward: the queries' stacked [S, m, d] too): a mutating operator's outputs
+//   must be single tensors for torch.compile's functionalization (auto_functionalized) to take it.
 //
 // What autograd keeps for the backward: the inputs and ζ [m, B, T] (msar_read); the inputs
 // (msar_fuse, whose `out` input is msar_read's output). Expanded streams, normalised keys,
@@ -90,14 +90,14 @@ constexpr double kNoWeight = std::numeric_limits<double>::infinity();  // ζ of 
 
 // ---- CPU: the kernels' outputs in the schemas' form, each a tensor of its own ------------------
 
-// The banks' gradients stacked into one [N, m − 1, d, K] tensor (the kernel's are transposed
-// views of one buffer, one per source): a parameter-sized copy.
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read_cpu(at::TensorList q, at::TensorList x,
                                                                                  at::TensorList c, double eps,
                                                                                  Lengths lengths, int64_t context) {
   return cpu::msar_read_forward(q, x, c, eps, lengths, context);
 }
 
+// The banks' gradients stacked into one [N, m − 1, d, K] tensor (the kernel's are transposed
+// views of one buffer, one per source): a parameter-sized copy.
 std::tuple<at::Tensor, at::Tensor> msar_block_read_backward_cpu(const OptTensors& grad_out, const OptTensors& grad_lse,
                                                                 at::TensorList q, at::TensorList x, at::TensorList c,
                                                                 at::TensorList lse, double eps, Lengths lengths,
