@@ -10,6 +10,12 @@
 // 4 units in the last place of the largest element. (The depth sources, read by every later layer
 // too, keep their one running sum: the reads add into the source's accumulator,
 // fused::SourceStandIns.)
+// A second, for MSAR with blocks across layers (S = 4 here): without recomputation a block's
+// reads are made at once for its 4 branches (msar_block_read), recomputed by layer two at a time
+// (the layer's: PathwayState::read_horizon, so that no read is kept across a region), and one
+// call sums its branches' ∂v before adding the source's and the banks' shares. The embedding (the
+// one source block 1 reads) and bank 0 get the same terms grouped otherwise: held to 8 units in
+// the last place of the largest element; everything else stays bit-identical.
 #include <ATen/core/grad_mode.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/equal.h>
@@ -93,8 +99,13 @@ TEST(Recompute, GradientsBitIdenticalForEveryKindAndMode) {
         ASSERT_EQ(kept[i].defined(), again[i].defined()) << params[i].name;
         if (!kept[i].defined()) continue;
         const double apart = ((kept[i] - again[i]).abs().max() / kept[i].abs().max()).item<double>();
-        if (v.kind == "msar" && mode == "layer" && params[i].name.find(".bank.") != std::string::npos) {
-          EXPECT_LE(apart, 4 * 0x1p-24) << params[i].name;  // the exception above
+        const bool bank = params[i].name.find(".bank.") != std::string::npos;
+        if (v.kind == "msar" && mode == "layer" && v.wide && (bank || params[i].name == "embedding")) {
+          EXPECT_LE(apart, 8 * 0x1p-24) << params[i].name;  // the second exception above
+          continue;
+        }
+        if (v.kind == "msar" && mode == "layer" && bank) {
+          EXPECT_LE(apart, 4 * 0x1p-24) << params[i].name;  // the first exception above
           continue;
         }
         EXPECT_TRUE(at::equal(kept[i], again[i])) << params[i].name << ": differs by up to " << apart << " of its largest";

@@ -195,6 +195,7 @@ void Transformer::recomputed_layer(int64_t i, PathwayState& state) {
       copy = before->clone();
       st = copy.get();
     }
+    st->read_horizon = first + 1;  // this layer's two branches
     {
       const std::vector<StateTensor> into = st->tensors();
       for (size_t k = 0; k < in_slots.size(); ++k) *into[in_slots[k]].tensor = in[k];
@@ -267,6 +268,7 @@ void Transformer::run_layers(PathwayState& state, int64_t first, int64_t last, c
   // Whole layers under layer recomputation (analysis, which looks between branches, and decoding
   // go branch by branch).
   const bool by_layer = recompute_ == Recompute::Layer && !after_branch && !decoding;
+  state.read_horizon = 2 * last;
   for (int64_t l = 2 * first + 1; l <= 2 * last; ++l) {
     if (by_layer) {
       recomputed_layer((l - 1) / 2, state);

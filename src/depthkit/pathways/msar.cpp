@@ -190,10 +190,13 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
   const c10::OptionalIntArrayRef lengths = conv_ && m_ > 1 ? c10::OptionalIntArrayRef(kernels_) : std::nullopt;
   // Phase 1 over the completed sources, expanded by their banks (eq. 10–12), for this branch and
   // the rest of its block at once (their sources are the same): made by the block's first read
-  // (or the first in this state, after a pipeline stage boundary), taken by each branch.
+  // (or the first after a pipeline stage boundary or a recomputed layer's, PathwayState's
+  // read_horizon), taken by each branch.
   const size_t slot = size_t(l - s.block_first);
   if (s.block_first == 0 || l < s.block_first || slot >= s.block_out.size() || !s.block_out[slot].defined()) {
-    const int64_t last = std::min(schedule_.block_of(l) * schedule_.size, schedule_.branches);
+    // (Up to the block's last branch, or to the backbone's horizon where that comes first.)
+    const int64_t last = std::max(l, std::min({schedule_.block_of(l) * schedule_.size, schedule_.branches,
+                                               state.read_horizon}));
     std::vector<at::Tensor> queries_of, banks;
     for (int64_t k = l; k <= last; ++k) queries_of.push_back(in_dtype(branch_[k].queries));
     for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));

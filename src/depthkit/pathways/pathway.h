@@ -9,6 +9,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -88,6 +89,12 @@ struct PathwayState {
   // and lay the region's outputs back in.
   virtual std::unique_ptr<PathwayState> clone() const = 0;
   virtual std::vector<StateTensor> tensors() = 0;
+  // The last branch that the backbone's current run of reads reaches: its last layer's, or a
+  // recomputed layer's own (train.recompute = "layer"). Set by the backbone before it reads. A
+  // pathway that makes several branches' reads at once (MSAR's phase 1 for a block) makes none
+  // past it, so that no read is made for a later pipeline stage or held across a recomputed
+  // region (where it would be one more tensor the region keeps).
+  int64_t read_horizon = std::numeric_limits<int64_t>::max();
 };
 
 // What crosses a pipeline stage boundary (docs/design.md, "Pipeline stages"): the state after a
