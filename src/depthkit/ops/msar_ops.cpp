@@ -36,6 +36,7 @@
 
 #include <initializer_list>
 #include <limits>
+#include <tuple>
 
 #include "depthkit/ops/cpu/msar_cpu.h"
 #include "depthkit/ops/registration.h"
@@ -135,57 +136,32 @@ FuseBackOut msar_fuse_backward_cpu(const at::Tensor& grad, const at::Tensor& out
 }
 
 
+// Both reads' Function: msar_read (one queries tensor, `block` false) and msar_block_read (S of
+// them), outputs (out_0 … out_{S−1}, ζ_0 … ζ_{S−1}). The backward runs once, when every output's
+// gradient is in (every branch of a block has fused), and calls the backward operator of the read
+// that ran.
 class MsarReadFunction : public torch::autograd::Function<MsarReadFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, at::TensorList x, at::TensorList c,
-                               double eps, Lengths lengths, int64_t context) {
+  static variable_list forward(AutogradContext* ctx, at::TensorList q, at::TensorList x, at::TensorList c, double eps,
+                               Lengths lengths, int64_t context, bool block) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto read = op<ReadSig>("depthkit::msar_read");
-    auto [out, lse] = read.call(q, x, c, eps, lengths, context);
-    variable_list saved = {q, lse};  // not `out`, not the expanded streams
-    saved.insert(saved.end(), x.begin(), x.end());
-    saved.insert(saved.end(), c.begin(), c.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["lengths"] = keep(lengths);
-    ctx->saved_data["context"] = context;
-    return {out, lse};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
-    auto s = ctx->get_saved_variables();
-    const int64_t N = (int64_t(s.size()) - 2) / 2;
-    const auto lengths = kept(ctx->saved_data["lengths"]);
-    const at::TensorList sources = at::TensorList(s).slice(2, N);
-    const SourceGradients gx = source_gradients(sources, s[1].scalar_type());  // ζ: the accumulation dtype
-    const int64_t context = ctx->saved_data["context"].toInt();
-    auto [gq, gc] = back.call(wrap(with_context(grads[0], 2, context, 0)), wrap(with_context(grads[1], 2, context, 0)),
-                              s[0], sources, at::TensorList(s).slice(2 + N, N), with_context(s[1], 2, context, kNoWeight),
-                              ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
-    // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
-    variable_list out = {gq};
-    for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
-    for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
-    out.insert(out.end(), 3, at::Tensor());  // eps, lengths, context
-    return out;
-  }
-};
-
-// msar_block_read's: as MsarReadFunction, for S queries tensors, outputs (out_0 … out_{S−1},
-// ζ_0 … ζ_{S−1}). Its backward runs once, when every branch of the block has given its gradients.
-class MsarBlockReadFunction : public torch::autograd::Function<MsarBlockReadFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, at::TensorList q, at::TensorList x, at::TensorList c, double eps,
-                               Lengths lengths, int64_t context) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto read = op<BlockReadSig>("depthkit::msar_block_read");
-    auto [out, lse] = read.call(q, x, c, eps, lengths, context);
+    static auto block_read = op<BlockReadSig>("depthkit::msar_block_read");
+    std::vector<at::Tensor> out, lse;
+    if (block) {
+      std::tie(out, lse) = block_read.call(q, x, c, eps, lengths, context);
+    } else {
+      auto [o, l] = read.call(q[0], x, c, eps, lengths, context);
+      out = {o};
+      lse = {l};
+    }
     variable_list saved(q.begin(), q.end());  // then ζ, the sources and their banks; not `out`
     saved.insert(saved.end(), lse.begin(), lse.end());
     saved.insert(saved.end(), x.begin(), x.end());
     saved.insert(saved.end(), c.begin(), c.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["queries"] = int64_t(q.size());
+    ctx->saved_data["block"] = block;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["lengths"] = keep(lengths);
     ctx->saved_data["context"] = context;
@@ -194,12 +170,14 @@ class MsarBlockReadFunction : public torch::autograd::Function<MsarBlockReadFunc
     return outputs;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto back = op<BlockReadBackSig>("depthkit::msar_block_read_backward");
+    static auto back = op<ReadBackSig>("depthkit::msar_read_backward");
+    static auto block_back = op<BlockReadBackSig>("depthkit::msar_block_read_backward");
     auto s = ctx->get_saved_variables();
     const int64_t S = ctx->saved_data["queries"].toInt(), N = (int64_t(s.size()) - 2 * S) / 2;
     const auto lengths = kept(ctx->saved_data["lengths"]);
     const int64_t context = ctx->saved_data["context"].toInt();
-    const at::TensorList all(s), queries = all.slice(0, S), sources = all.slice(2 * S, N);
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const at::TensorList all(s), queries = all.slice(0, S), sources = all.slice(2 * S, N), banks = all.slice(2 * S + N, N);
     const SourceGradients gx = source_gradients(sources, s[S].scalar_type());  // ζ: the accumulation dtype
     OptTensors go, gl;
     std::vector<at::Tensor> lse;
@@ -208,14 +186,19 @@ class MsarBlockReadFunction : public torch::autograd::Function<MsarBlockReadFunc
       gl.push_back(wrap(with_context(grads[size_t(S + j)], 2, context, 0)));
       lse.push_back(with_context(s[size_t(S + j)], 2, context, kNoWeight));
     }
-    auto [gq, gc] = back.call(go, gl, queries, sources, all.slice(2 * S + N, N), lse,
-                              ctx->saved_data["eps"].toDouble(), view(lengths), gx.buffers);
+    at::Tensor gq, gc;  // [S, m, d], [N, m − 1, d, K]
+    if (ctx->saved_data["block"].toBool()) {
+      std::tie(gq, gc) = block_back.call(go, gl, queries, sources, banks, lse, eps, view(lengths), gx.buffers);
+    } else {
+      std::tie(gq, gc) = back.call(go[0], gl[0], queries[0], sources, banks, lse[0], eps, view(lengths), gx.buffers);
+      gq = gq.unsqueeze(0);
+    }
     // One gradient per input of forward, in order (none for a shared source: its buffer carries it).
     variable_list out;
     for (at::Tensor& t : gq.unbind(0)) out.push_back(std::move(t));
     for (at::Tensor& t : gx.for_autograd(s[0].scalar_type())) out.push_back(std::move(t));
     for (at::Tensor& t : gc.unbind(0)) out.push_back(std::move(t));  // one bank per source
-    out.insert(out.end(), 3, at::Tensor());  // eps, lengths, context
+    out.insert(out.end(), 4, at::Tensor());  // eps, lengths, context, block
     return out;
   }
 };
@@ -269,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> msar_read_autograd(const at::Tensor& q, at::T
     static auto read = op<ReadSig>("depthkit::msar_read");
     return read.call(q, x, c, eps, lengths, context);
   }
-  auto r = MsarReadFunction::apply(q, x, c, eps, lengths, context);
+  auto r = MsarReadFunction::apply(at::TensorList(q), x, c, eps, lengths, context, false);
   return {r[0], r[1]};
 }
 
@@ -283,7 +266,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_block_read_aut
     static auto read = op<BlockReadSig>("depthkit::msar_block_read");
     return read.call(q, x, c, eps, lengths, context);
   }
-  variable_list r = MsarBlockReadFunction::apply(q, x, c, eps, lengths, context);
+  variable_list r = MsarReadFunction::apply(q, x, c, eps, lengths, context, true);
   const auto S = std::ptrdiff_t(q.size());
   return {std::vector<at::Tensor>(r.begin(), r.begin() + S), std::vector<at::Tensor>(r.begin() + S, r.end())};
 }
