@@ -7,8 +7,9 @@ by causal depthwise convolutions (eq. 9–10):
   v⁽⁰⁾ = v,   v⁽ʳ⁾_t = Σ_{δ<κ_r} c_{r,δ} ⊙ v_{t−δ}   (zero before position 0), r = 1 … m−1,
 and reads stream r by depth attention with its own pseudo-query, keys = values = the expanded
 sources (eq. 11–12): msar_block_read over the raw sources and their banks, for all of a block's
-branches at once (the expansions are never stored). msar_fuse merges the block's partial, expanded by bank ℓ−1, by online softmax (eq. 17;
-absent at a block's first branch) and fuses the m retrieved states Z (eq. 13–14):
+branches at once (the expansions are never stored). msar_fuse merges the block's partial,
+expanded by bank ℓ−1, by online softmax (eq. 17; absent at a block's first branch) and fuses the
+m retrieved states Z (eq. 13–14):
   H_pre = σ(α_pre · Norm(flatten Z) W_preᵀ + b_pre),   h_ℓ = Σ_r H_pre[r] z⁽ʳ⁾   (or their mean).
 The final hidden state is the residual merge of the last branch, h_L + f_L(h_L) (§3.2).
 
