@@ -276,7 +276,7 @@ def _msar_block_read(queries, sources, conv, eps, kernel_lengths=None, context=0
 @_register("msar_read_backward")
 def _msar_read_backward(grad_out, grad_log_partition, queries, sources, conv, log_partition, eps, kernel_lengths,
                         grad_sources):
-    gq, gc = _msar_block_read_backward([grad_out], [grad_log_partition], [queries], sources, conv, [log_partition],
+    _, gc = _msar_block_read_backward([grad_out], [grad_log_partition], [queries], sources, conv, [log_partition],
                                        eps, kernel_lengths, grad_sources)
     return queries.new_empty(queries.shape), gc
 

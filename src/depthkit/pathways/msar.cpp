@@ -198,7 +198,7 @@ at::Tensor Msar::read(PathwayState& state, int64_t l) {
     const int64_t last = std::max(l, std::min({schedule_.block_of(l) * schedule_.size, schedule_.branches,
                                                state.read_horizon}));
     std::vector<at::Tensor> queries_of, banks;
-    for (int64_t k = l; k <= last; ++k) queries_of.push_back(in_dtype(branch_[k].queries));
+    for (int64_t k = l; k <= last; ++k) queries_of.push_back(k == l ? queries : in_dtype(branch_[k].queries));
     for (const at::Tensor& c : s.taps) banks.push_back(in_dtype(c));
     // While decoding, every expanded tensor carries its bank's tail first (with_past): a context
     // of `reach` positions, which feeds the new positions' windows and is not read itself.

@@ -168,7 +168,8 @@ void weighted_row_sum(scalar_t* o, const acc_t* w, int64_t w_stride, const X* co
 }
 
 // Per row j < J (rows of v and out d apart, of g gs apart): out_j = α_j g_j + β_j q − γ_j v_j (ADD:
-// out_j += …, where several queries read one candidate, msar_read_backward), and gq += Σ_j β_j v_j: the gradient of a key-normalised candidate v, whose score is s (q · v), with
+// out_j += …, where several queries read one candidate, msar_read_backward), and
+// gq += Σ_j β_j v_j: the gradient of a key-normalised candidate v, whose score is s (q · v), with
 // β = ∂a s and γ = ∂a s³ (q · v) / d (∂/∂v of s (q · v)), plus α g from its value; gq (the
 // query's gradient) is loaded and stored once per J rows.
 template <int64_t J, bool ADD, class acc_t, class G>
@@ -206,7 +207,7 @@ void key_grads(acc_t* out, acc_t* gq, const acc_t* v, const G* g, int64_t gs, co
   int64_t j = 0;
   auto block = [&](auto J) {
     key_grads_block<decltype(J)::value, ADD>(out + j * d, gq, v + j * d, g + j * gs, gs, q, alpha + j, beta + j,
-                                             gamma + j, d);
+                                              gamma + j, d);
     j += decltype(J)::value;
   };
   while (j + kRows <= rows) block(std::integral_constant<int64_t, kRows>{});
