@@ -203,7 +203,14 @@ assert ops['msar_block_read']['flops'] == (96 + 248) * 128 * 5 * 4096, ops['msar
 for o in (ops['msar_read'], ops['msar_block_read'], ops['msar_fuse']):
   assert o['gemm_gflops'] > 0 and abs(o['flop_floor_ms'] - o['flops'] / o['gemm_gflops'] / 1e6) < 1e-9 * o['flop_floor_ms'], o
   assert abs(o['of_flop_floor'] - o['fused_ms'] / o['flop_floor_ms']) < 1e-9 * o['of_flop_floor'], o
-assert all(o['flops'] is None and o['of_flop_floor'] is None for k, o in ops.items() if not k.startswith('msar')), r
+  # the floor: the FLOP floor plus the bytes at the copy speed measured in the same run
+  assert abs(o['floor_ms'] - o['flop_floor_ms'] - o['traffic_floor_ms']) < 1e-9 * o['floor_ms'], o
+  assert abs(o['of_floor'] - o['fused_ms'] / o['floor_ms']) < 1e-9 * o['of_floor'], o
+assert all(o['flops'] is None and o['of_flop_floor'] is None and o['floor_ms'] is None
+           for k, o in ops.items() if not k.startswith('msar')), r
+copy_gbs = {b['shape']: b['copy_gbs'] for b in r['bandwidth']}
+assert all(abs(o['traffic_floor_ms'] - o['bytes'] / copy_gbs[o['shape']] / 1e6) < 1e-9 * o['traffic_floor_ms']
+           for o in ops.values()), r
 " || fail "bench --ops"
 
 # The fused operators follow the reference compositions through training, for every kind

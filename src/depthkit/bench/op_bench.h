@@ -51,6 +51,11 @@ struct OpTiming {
   // at that rate.
   double flops = 0, gemm_gflops = 0;
   double flop_floor_ms() const { return flops / (gemm_gflops * 1e9) * 1e3; }
+  // The time to move `bytes` at copy speed; beside the FLOP floor, the op's floor is the two
+  // added (the composition of `bench --kinds`' floor): an op that does not overlap its traffic
+  // with its arithmetic can go no faster.
+  double traffic_floor_ms() const { return bytes / (copy_gbs * 1e9) * 1e3; }
+  double floor_ms() const { return flop_floor_ms() + traffic_floor_ms(); }
   double speedup() const { return reference_ms / fused_ms; }
   double gbs() const { return bytes / (fused_ms * 1e-3) / 1e9; }
   // The speedup of an op that moved `bytes` at copy speed (plus the irreducible work): the most

@@ -137,13 +137,15 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
       j["ops"].push_back({{"op", o.op}, {"shape", o.shape}, {"reference_ms", o.reference_ms}, {"fused_ms", o.fused_ms},
                           {"speedup", o.speedup()}, {"bytes", o.bytes}, {"gbs", o.gbs()},
                           {"fraction_of_copy", o.gbs() / o.copy_gbs}, {"irreducible_ms", o.irreducible_ms},
-                          {"copy_bound_speedup", o.copy_bound_speedup()},
+                          {"copy_bound_speedup", o.copy_bound_speedup()}, {"traffic_floor_ms", o.traffic_floor_ms()},
                           // null where the op's FLOPs are not counted (OpTiming::flops)
                           {"flops", o.flops > 0 ? nlohmann::json(o.flops) : nlohmann::json(nullptr)},
                           {"gemm_gflops", o.flops > 0 ? nlohmann::json(o.gemm_gflops) : nlohmann::json(nullptr)},
                           {"flop_floor_ms", o.flops > 0 ? nlohmann::json(o.flop_floor_ms()) : nlohmann::json(nullptr)},
                           {"of_flop_floor",
-                           o.flops > 0 ? nlohmann::json(o.fused_ms / o.flop_floor_ms()) : nlohmann::json(nullptr)}});
+                           o.flops > 0 ? nlohmann::json(o.fused_ms / o.flop_floor_ms()) : nlohmann::json(nullptr)},
+                          {"floor_ms", o.flops > 0 ? nlohmann::json(o.floor_ms()) : nlohmann::json(nullptr)},
+                          {"of_floor", o.flops > 0 ? nlohmann::json(o.fused_ms / o.floor_ms()) : nlohmann::json(nullptr)}});
     for (const auto& b : r.bandwidth)
       j["bandwidth"].push_back({{"shape", b.shape}, {"bytes", b.bytes}, {"fused_ms", b.fused_ms}, {"gbs", b.gbs()},
                                 {"copy_gbs", b.copy_gbs}, {"fraction_of_copy", b.gbs() / b.copy_gbs}});
@@ -160,13 +162,15 @@ int print_ops(const std::string& shapes, int64_t repeats, bool json) {
     std::printf("%-20s %-28s %12.3f %9.3f %7.2fx %9.2f %7.0f%% %9.2fx\n", o.op.c_str(), o.shape.c_str(), o.reference_ms,
                 o.fused_ms, o.speedup(), o.gbs(), 100.0 * o.gbs() / o.copy_gbs, o.copy_bound_speedup());
   std::printf("\nagainst their FLOP floor: the fused forward + backward's FLOPs as its kernels run them (a backward's\n"
-              "recomputation counted, multiply-add = 2) at the rate of a GEMM at the shape ([P, d] · [d, d], same run):\n");
-  std::printf("%-20s %-28s %9s %11s %9s %9s %8s\n", "op", "shape", "GFLOP", "GEMM GFLOP/s", "floor ms", "fused ms",
-              "x floor");
+              "recomputation counted, multiply-add = 2) at the rate of a GEMM at the shape ([P, d] · [d, d], same run);\n"
+              "traffic: its bytes at copy speed; floor: the two added\n");
+  std::printf("%-20s %-28s %9s %12s %13s %10s %9s %9s %12s %8s\n", "op", "shape", "GFLOP", "GEMM GFLOP/s",
+              "FLOP floor ms", "traffic ms", "floor ms", "fused ms", "x FLOP floor", "x floor");
   for (const auto& o : r.ops)
     if (o.flops > 0)
-      std::printf("%-20s %-28s %9.3f %11.1f %9.3f %9.3f %7.2fx\n", o.op.c_str(), o.shape.c_str(), o.flops / 1e9,
-                  o.gemm_gflops, o.flop_floor_ms(), o.fused_ms, o.fused_ms / o.flop_floor_ms());
+      std::printf("%-20s %-28s %9.3f %12.1f %13.3f %10.3f %9.3f %9.3f %11.2fx %7.2fx\n", o.op.c_str(), o.shape.c_str(),
+                  o.flops / 1e9, o.gemm_gflops, o.flop_floor_ms(), o.traffic_floor_ms(), o.floor_ms(), o.fused_ms,
+                  o.fused_ms / o.flop_floor_ms(), o.fused_ms / o.floor_ms());
   std::printf("\nfused depth_read forward bandwidth against a plain copy in the same run:\n");
   for (const auto& b : r.bandwidth)
     std::printf("%-28s %8.3f ms  %6.2f GB/s  copy %6.2f GB/s  %5.1f%% of copy\n", b.shape.c_str(), b.fused_ms, b.gbs(),

@@ -9,6 +9,7 @@
 #pragma once
 #include <c10/util/BFloat16.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -94,50 +95,79 @@ inline acc_t scale_row_and_dot_difference(acc_t* y, const acc_t* g, const A* a, 
   return sum;
 }
 
-// Per row j < J of v (rows d apart): ss_j = v_j · v_j, qv_j = q · v_j and, with GRAD, gv_j = g_j · v_j
-// (g's rows d apart; without GRAD, g and gv are not read).
-template <int64_t J, bool GRAD, class acc_t, class X, class Q, class G>
-inline void row_dots_block(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* g, int64_t d) {
+// Per row j < J of v (rows d apart): ss_j = v_j · v_j and, for each of NQ queries k, qv_k[j] =
+// q_k · v_j and, with GRAD, gv_k[j] = g_k,j · v_j (g_k's rows d apart; without GRAD, g and gv are
+// not read). The NQ queries of a block's branches read the same candidates (msar_block_read): one
+// pass loads each register of v once for all of them, where a pass per query loads it NQ times.
+// Each sum runs in the same order whatever NQ and J, so a query's dots do not depend on the others.
+template <int64_t J, int64_t NQ, bool GRAD, class acc_t, class X, class Q, class G>
+inline void row_dots_block(acc_t* ss, acc_t* const* qv, acc_t* const* gv, const X* v, const Q* const* q,
+                           const G* const* g, int64_t d) {
   using V = Vec<acc_t>;
   constexpr int64_t n = Reg<acc_t>::lanes;
-  V s[J] = {}, a[J] = {}, c[J] = {};
+  V s[J] = {}, a[NQ][J] = {}, c[NQ][J] = {};
   int64_t i = 0;
   for (; i + n <= d; i += n) {
-    const V qi = load<acc_t>(q + i);
+    V qi[NQ];
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < NQ; ++k) qi[k] = load<acc_t>(q[k] + i);
 #pragma GCC unroll 8
     for (int64_t j = 0; j < J; ++j) {
       const V x = load<acc_t>(v + j * d + i);
       s[j] += x * x;
-      a[j] += x * qi;
-      if constexpr (GRAD) c[j] += x * load<acc_t>(g + j * d + i);
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < NQ; ++k) {
+        a[k][j] += x * qi[k];
+        if constexpr (GRAD) c[k][j] += x * load<acc_t>(g[k] + j * d + i);
+      }
     }
   }
   for (int64_t j = 0; j < J; ++j) {
-    acc_t sj = lane_sum<acc_t>(s[j]), aj = lane_sum<acc_t>(a[j]), cj = GRAD ? lane_sum<acc_t>(c[j]) : acc_t(0);
-    for (int64_t k = i; k < d; ++k) {
-      const acc_t x = acc_t(v[j * d + k]);
-      sj += x * x;
-      aj += x * acc_t(q[k]);
-      if constexpr (GRAD) cj += x * acc_t(g[j * d + k]);
-    }
+    acc_t sj = lane_sum<acc_t>(s[j]);
+    for (int64_t e = i; e < d; ++e) sj += acc_t(v[j * d + e]) * acc_t(v[j * d + e]);
     ss[j] = sj;
-    qv[j] = aj;
-    if constexpr (GRAD) gv[j] = cj;
+    for (int64_t k = 0; k < NQ; ++k) {
+      acc_t ak = lane_sum<acc_t>(a[k][j]), ck = GRAD ? lane_sum<acc_t>(c[k][j]) : acc_t(0);
+      for (int64_t e = i; e < d; ++e) {
+        const acc_t x = acc_t(v[j * d + e]);
+        ak += x * acc_t(q[k][e]);
+        if constexpr (GRAD) ck += x * acc_t(g[k][j * d + e]);
+      }
+      qv[k][j] = ak;
+      if constexpr (GRAD) gv[k][j] = ck;
+    }
   }
 }
 
-// row_dots_block over `rows` rows: blocks of kRows, then of 4, then single rows.
-template <bool GRAD, class acc_t, class X, class Q, class G>
-void row_dots(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* g, int64_t rows, int64_t d) {
+// row_dots_block over `rows` rows of v for NQ queries: blocks of as many rows as keep every sum in
+// a register (kRows; half that with two queries' q · v and g · v: 5 sums a row), then of 4, then
+// single rows. qv[k], gv[k] and g[k] point at row 0 of their rows.
+template <int64_t NQ, bool GRAD, class acc_t, class X, class Q, class G>
+void row_dots_queries(acc_t* ss, const std::array<acc_t*, NQ>& qv, const std::array<acc_t*, NQ>& gv, const X* v,
+                      const std::array<const Q*, NQ>& q, const std::array<const G*, NQ>& g, int64_t rows, int64_t d) {
+  constexpr int64_t widest = GRAD && NQ > 1 ? kRows / 2 : kRows;
   int64_t j = 0;
   auto block = [&](auto J) {
-    row_dots_block<decltype(J)::value, GRAD>(ss + j, qv + j, GRAD ? gv + j : nullptr, v + j * d, q,
-                                             GRAD ? g + j * d : g, d);
+    std::array<acc_t*, NQ> qj, gj;
+    std::array<const G*, NQ> g_j;
+    for (int64_t k = 0; k < NQ; ++k) {
+      qj[k] = qv[k] + j;
+      gj[k] = GRAD ? gv[k] + j : nullptr;
+      g_j[k] = GRAD ? g[k] + j * d : g[k];
+    }
+    row_dots_block<decltype(J)::value, NQ, GRAD>(ss + j, qj.data(), gj.data(), v + j * d, q.data(), g_j.data(), d);
     j += decltype(J)::value;
   };
-  while (j + kRows <= rows) block(std::integral_constant<int64_t, kRows>{});
-  while (j + 4 <= rows) block(std::integral_constant<int64_t, 4>{});
+  while (j + widest <= rows) block(std::integral_constant<int64_t, widest>{});
+  if constexpr (widest > 4)
+    while (j + 4 <= rows) block(std::integral_constant<int64_t, 4>{});
   while (j < rows) block(std::integral_constant<int64_t, 1>{});
+}
+
+// One query's: ss, qv and gv [rows].
+template <bool GRAD, class acc_t, class X, class Q, class G>
+void row_dots(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* g, int64_t rows, int64_t d) {
+  row_dots_queries<1, GRAD, acc_t, X, Q, G>(ss, {qv}, {gv}, v, {q}, {g}, rows, d);
 }
 
 // o = scale · Σ_{n<N} w[n · w_stride] x_n over d, x_n = rows[n] + offset: the sum in registers,
