@@ -374,16 +374,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> msar_read_forward(a
         for (int64_t r = 0; r < m; ++r) {
           for (int64_t n = 0; n < N; ++n) {
             rows[n] = stream_rows(E.data() + n * tile * d, xp[n] + (b * T + t0) * d, cp, used, n * (m - 1) + r - 1, r, K, t0, nt, d);
-            for (int64_t j = 0; j < S; j += 2) {  // the queries two at a time: each load of v serves both
-              acc_t* an = a.data() + (j * N + n) * tile;
-              const acc_t* none = nullptr;
-              if (j + 1 < S)
-                row_dots_queries<2, false, acc_t, acc_t, acc_t, acc_t>(ss.data(), {an, an + N * tile}, {nullptr, nullptr},
-                                                                      rows[n], {qp[j] + r * d, qp[j + 1] + r * d},
-                                                                      {none, none}, nt, d);
-              else
-                row_dots<false>(ss.data(), an, static_cast<acc_t*>(nullptr), rows[n], qp[j] + r * d, none, nt, d);
-            }
+            row_dots_per_query<false>(
+                ss.data(), a.data() + n * tile, static_cast<acc_t*>(nullptr), N * tile, rows[n], S,
+                [&](int64_t j) { return qp[j] + r * d; }, [](int64_t) { return static_cast<const acc_t*>(nullptr); },
+                nt, d);
             for (int64_t i = 0; i < nt; ++i) {
               const acc_t si = inv_rms<acc_t>(ss[i], d, eps);
               for (int64_t j = 0; j < S; ++j) a[(j * N + n) * tile + i] *= si;  // (A.1)
@@ -476,15 +470,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> msar_read_backward(
             const acc_t* Vn = rows[n] =
                 stream_rows(V.data() + n * sub * d, xp[n] + (b * T + u0) * d, cp, used, n * L + r - 1, r, K, u0, nt, d);
             acc_t* sn = s.data() + n * sub;
-            for (int64_t j = 0; j < S; j += 2) {  // two queries a pass (each writes Σ v² into sn: the same values)
-              const int64_t k0 = (j * N + n) * sub, k1 = k0 + N * sub;
-              if (j + 1 < S)
-                row_dots_queries<2, true, acc_t, acc_t, acc_t, scalar_t>(
-                    sn, {qv.data() + k0, qv.data() + k1}, {gdotv.data() + k0, gdotv.data() + k1}, Vn,
-                    {qp[j] + r * d, qp[j + 1] + r * d}, {gop[j] + (r * P + p0) * d, gop[j + 1] + (r * P + p0) * d}, nt, d);
-              else
-                row_dots<true>(sn, qv.data() + k0, gdotv.data() + k0, Vn, qp[j] + r * d, gop[j] + (r * P + p0) * d, nt, d);
-            }
+            row_dots_per_query<true>(
+                sn, qv.data() + n * sub, gdotv.data() + n * sub, N * sub, Vn, S, [&](int64_t j) { return qp[j] + r * d; },
+                [&](int64_t j) { return gop[j] + (r * P + p0) * d; }, nt, d);
             for (int64_t i = 0; i < nt; ++i) sn[i] = inv_rms<acc_t>(sn[i], d, eps);
             for (int64_t j = 0; j < S; ++j) {
               const int64_t k0 = (j * N + n) * sub;

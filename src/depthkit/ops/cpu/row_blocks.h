@@ -170,6 +170,25 @@ void row_dots(acc_t* ss, acc_t* qv, acc_t* gv, const X* v, const Q* q, const G* 
   row_dots_queries<1, GRAD, acc_t, X, Q, G>(ss, {qv}, {gv}, v, {q}, {g}, rows, d);
 }
 
+// S queries' (a block's branches, msar_block_read): two a pass, the last one alone where S is odd.
+// Query j's q_j · v at qv + j·stride and, with GRAD, g_j · v at gv + j·stride; query(j) and
+// grad(j) give q_j and the first row of g_j (grad is not called without GRAD).
+template <bool GRAD, class acc_t, class X, class QueryOf, class GradOf>
+void row_dots_per_query(acc_t* ss, acc_t* qv, acc_t* gv, int64_t stride, const X* v, int64_t S, QueryOf query,
+                        GradOf grad, int64_t rows, int64_t d) {
+  using Q = std::remove_const_t<std::remove_pointer_t<decltype(query(0))>>;
+  using G = std::remove_const_t<std::remove_pointer_t<decltype(grad(0))>>;
+  auto g = [&](int64_t j) { return GRAD ? grad(j) : static_cast<const G*>(nullptr); };
+  auto at = [&](acc_t* p, int64_t j) { return p == nullptr ? nullptr : p + j * stride; };
+  for (int64_t j = 0; j < S; j += 2) {
+    if (j + 1 < S)
+      row_dots_queries<2, GRAD, acc_t, X, Q, G>(ss, {at(qv, j), at(qv, j + 1)}, {at(gv, j), at(gv, j + 1)}, v,
+                                                {query(j), query(j + 1)}, {g(j), g(j + 1)}, rows, d);
+    else
+      row_dots_queries<1, GRAD, acc_t, X, Q, G>(ss, {at(qv, j)}, {at(gv, j)}, v, {query(j)}, {g(j)}, rows, d);
+  }
+}
+
 // o = scale · Σ_{n<N} w[n · w_stride] x_n over d, x_n = rows[n] + offset: the sum in registers,
 // so that each row is read once and o written once (a running sum in memory costs a load and a
 // store of it per row).
